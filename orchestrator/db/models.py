@@ -1,0 +1,200 @@
+"""The results database's tables (SQLAlchemy 2 declarative models).
+
+Schema changes go through Alembic (``migrations/``); these classes and the newest migration must
+describe the same schema (a test compares them).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Chip(Base):
+    """A kind of machine; nodes with one ``key`` are interchangeable for benchmarking."""
+
+    __tablename__ = "ft_chips"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(120), unique=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    vendor: Mapped[str | None] = mapped_column(String(40))
+    family: Mapped[str | None] = mapped_column(String(60))
+    p_cores: Mapped[int | None] = mapped_column(Integer)
+    e_cores: Mapped[int | None] = mapped_column(Integer)
+    logical_cores: Mapped[int | None] = mapped_column(Integer)
+    gpu_cores: Mapped[int | None] = mapped_column(Integer)
+    gpu_name: Mapped[str | None] = mapped_column(String(200))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    bandwidth_gbs: Mapped[float | None] = mapped_column(Float)
+    backend: Mapped[str] = mapped_column(String(20))
+
+
+class Node(Base):
+    """One machine that has run (or can run) trials."""
+
+    __tablename__ = "ft_nodes"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    ray_node_id: Mapped[str | None] = mapped_column(String(64), unique=True)
+    chip_id: Mapped[int] = mapped_column(ForeignKey("ft_chips.id"))
+    os: Mapped[str | None] = mapped_column(String(120))
+    llama_build: Mapped[str | None] = mapped_column(Text)
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    fingerprint: Mapped[dict] = mapped_column(JSON)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    chip: Mapped[Chip] = relationship()
+
+
+class Model(Base):
+    """One GGUF file, identified by its sha256."""
+
+    __tablename__ = "ft_models"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(200))
+    architecture: Mapped[str] = mapped_column(String(60))
+    n_layer: Mapped[int] = mapped_column(Integer)
+    n_params: Mapped[int] = mapped_column(BigInteger)
+    file_type: Mapped[str] = mapped_column(String(40))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    context_length: Mapped[int | None] = mapped_column(Integer)
+    path: Mapped[str | None] = mapped_column(Text)
+    path_mtime: Mapped[float | None] = mapped_column(Float)
+    added_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Study(Base):
+    """One search: (chip, model, workload, objective) and the Optuna study that drives it."""
+
+    __tablename__ = "ft_studies"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    chip_id: Mapped[int] = mapped_column(ForeignKey("ft_chips.id"))
+    model_id: Mapped[int] = mapped_column(ForeignKey("ft_models.id"))
+    objective: Mapped[str] = mapped_column(String(10))
+    n_prompt: Mapped[int] = mapped_column(Integer)
+    n_gen: Mapped[int] = mapped_column(Integer)
+    reps: Mapped[int] = mapped_column(Integer)
+    sampler: Mapped[str] = mapped_column(String(20))
+    budget: Mapped[int] = mapped_column(Integer)
+    space: Mapped[dict] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(20), default="running")
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    chip: Mapped[Chip] = relationship()
+    model: Mapped[Model] = relationship()
+
+
+class Trial(Base):
+    """One measured configuration (or its failure), with summaries of its samples."""
+
+    __tablename__ = "ft_trials"
+    __table_args__ = (UniqueConstraint("study_id", "optuna_number"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("ft_studies.id", ondelete="CASCADE"), index=True)
+    optuna_number: Mapped[int | None] = mapped_column(Integer)
+    node_id: Mapped[int | None] = mapped_column(ForeignKey("ft_nodes.id"))
+    phase: Mapped[str] = mapped_column(String(20), default="search")
+    params: Mapped[dict] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(20), default="running")
+    error: Mapped[str | None] = mapped_column(Text)
+    objective_value: Mapped[float | None] = mapped_column(Float)
+    pp_tps_median: Mapped[float | None] = mapped_column(Float)
+    pp_tps_mean: Mapped[float | None] = mapped_column(Float)
+    pp_tps_stddev: Mapped[float | None] = mapped_column(Float)
+    pp_cv: Mapped[float | None] = mapped_column(Float)
+    tg_tps_median: Mapped[float | None] = mapped_column(Float)
+    tg_tps_mean: Mapped[float | None] = mapped_column(Float)
+    tg_tps_stddev: Mapped[float | None] = mapped_column(Float)
+    tg_cv: Mapped[float | None] = mapped_column(Float)
+    e2e_s: Mapped[float | None] = mapped_column(Float)
+    load_s: Mapped[float | None] = mapped_column(Float)
+    measure_s: Mapped[float | None] = mapped_column(Float)
+    peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    thermal_before: Mapped[str | None] = mapped_column(String(40))
+    thermal_after: Mapped[str | None] = mapped_column(String(40))
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    study: Mapped[Study] = relationship()
+    node: Mapped[Node | None] = relationship()
+    samples: Mapped[list[SampleRow]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", order_by="SampleRow.id"
+    )
+
+
+class SampleRow(Base):
+    """Every timed repetition of every trial."""
+
+    __tablename__ = "ft_samples"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("ft_trials.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(4))
+    rep: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    trial: Mapped[Trial] = relationship(back_populates="samples")
+
+
+class Recommendation(Base):
+    """The learned best configuration for (chip, model, workload), versioned."""
+
+    __tablename__ = "ft_recommendations"
+    __table_args__ = (
+        UniqueConstraint("chip_id", "model_id", "objective", "n_prompt", "n_gen", "version"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    chip_id: Mapped[int] = mapped_column(ForeignKey("ft_chips.id"))
+    model_id: Mapped[int] = mapped_column(ForeignKey("ft_models.id"))
+    study_id: Mapped[int | None] = mapped_column(ForeignKey("ft_studies.id", ondelete="SET NULL"))
+    objective: Mapped[str] = mapped_column(String(10))
+    n_prompt: Mapped[int] = mapped_column(Integer)
+    n_gen: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(Integer)
+    params: Mapped[dict] = mapped_column(JSON)
+    expected_tps: Mapped[float] = mapped_column(Float)
+    interval_low: Mapped[float] = mapped_column(Float)
+    interval_high: Mapped[float] = mapped_column(Float)
+    expected_pp_tps: Mapped[float | None] = mapped_column(Float)
+    expected_tg_tps: Mapped[float | None] = mapped_column(Float)
+    baseline_tps: Mapped[float | None] = mapped_column(Float)
+    improvement: Mapped[float | None] = mapped_column(Float)
+    evidence: Mapped[list] = mapped_column(JSON)
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    source: Mapped[str] = mapped_column(String(20), default="study")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    chip: Mapped[Chip] = relationship()
+    model: Mapped[Model] = relationship()

@@ -1,0 +1,330 @@
+"""Reading and writing the results database. Every SQL statement of fleettune lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session, joinedload
+
+from orchestrator.db.models import (
+    Chip,
+    Model,
+    Node,
+    Recommendation,
+    SampleRow,
+    Study,
+    Trial,
+    utcnow,
+)
+from workers.errors import BadInput
+from workers.hardware import Fingerprint
+from workers.models import ModelInfo
+from workers.trial import TrialResult
+
+
+def _ts(value: float | None) -> datetime | None:
+    return datetime.fromtimestamp(value, UTC) if value is not None else None
+
+
+# ---------------------------------------------------------------- chips, nodes, models
+
+
+def upsert_chip(session: Session, fp: Fingerprint) -> Chip:
+    if not fp.chip_key:
+        raise BadInput("this node's chip is unknown (its fingerprint has no chip)")
+    chip = session.scalar(select(Chip).where(Chip.key == fp.chip_key))
+    if chip is None:
+        chip = Chip(key=fp.chip_key)
+        session.add(chip)
+    chip.name = fp.chip
+    chip.vendor = fp.vendor
+    chip.family = fp.family
+    chip.p_cores, chip.e_cores, chip.logical_cores = fp.p_cores, fp.e_cores, fp.logical_cores
+    chip.gpu_cores, chip.gpu_name = fp.gpu_cores, fp.gpu_name
+    chip.memory_bytes, chip.bandwidth_gbs, chip.backend = fp.memory_bytes, fp.bandwidth_gbs, fp.backend
+    session.flush()
+    return chip
+
+
+def upsert_node(
+    session: Session,
+    *,
+    ray_node_id: str,
+    hostname: str,
+    fingerprint: Fingerprint,
+    llama_build: str | None,
+    simulated: bool,
+) -> Node:
+    chip = upsert_chip(session, fingerprint)
+    node = session.scalar(select(Node).where(Node.ray_node_id == ray_node_id))
+    if node is None:
+        node = Node(ray_node_id=ray_node_id, hostname=hostname, chip=chip, fingerprint={})
+        session.add(node)
+    node.hostname, node.chip = hostname, chip
+    node.os = fingerprint.os
+    node.llama_build = llama_build
+    node.simulated = simulated
+    node.fingerprint = fingerprint.to_dict()
+    node.last_seen = utcnow()
+    session.flush()
+    return node
+
+
+def get_chip(session: Session, key: str) -> Chip | None:
+    return session.scalar(select(Chip).where(Chip.key == key))
+
+
+def upsert_model(session: Session, info: ModelInfo, mtime: float | None = None) -> Model:
+    model = session.scalar(select(Model).where(Model.sha256 == info.sha256))
+    if model is None:
+        model = Model(sha256=info.sha256)
+        session.add(model)
+    model.name, model.architecture = info.name, info.architecture
+    model.n_layer, model.n_params, model.file_type = info.n_layer, info.n_params, info.file_type
+    model.size_bytes, model.context_length = info.size_bytes, info.context_length
+    if info.path:
+        model.path = info.path
+    if mtime is not None:
+        model.path_mtime = mtime
+    session.flush()
+    return model
+
+
+def list_models(session: Session) -> list[Model]:
+    return list(session.scalars(select(Model).order_by(Model.added_at, Model.id)))
+
+
+def model_by_path(session: Session, path: str) -> Model | None:
+    return session.scalar(select(Model).where(Model.path == path))
+
+
+def find_models(session: Session, ref: str) -> list[Model]:
+    """Models whose name equals ``ref`` (case-insensitive) or whose sha256 starts with it."""
+    ref_l = ref.lower()
+    clauses = [func.lower(Model.name) == ref_l]
+    if len(ref_l) >= 6 and all(c in "0123456789abcdef" for c in ref_l):
+        clauses.append(Model.sha256.startswith(ref_l))
+    return list(session.scalars(select(Model).where(or_(*clauses))))
+
+
+def model_info_of(row: Model) -> ModelInfo:
+    return ModelInfo(
+        sha256=row.sha256,
+        path=row.path or "",
+        name=row.name,
+        architecture=row.architecture,
+        n_layer=row.n_layer,
+        n_params=row.n_params,
+        file_type=row.file_type,
+        size_bytes=row.size_bytes,
+        context_length=row.context_length,
+    )
+
+
+# ---------------------------------------------------------------- studies and trials
+
+
+def get_study(session: Session, name: str) -> Study | None:
+    return session.scalar(
+        select(Study).options(joinedload(Study.chip), joinedload(Study.model)).where(Study.name == name)
+    )
+
+
+def study_names_like(session: Session, prefix: str) -> list[str]:
+    return list(session.scalars(select(Study.name).where(Study.name.startswith(prefix))))
+
+
+def latest_study(
+    session: Session, chip_id: int, model_id: int, objective: str, n_prompt: int, n_gen: int
+) -> Study | None:
+    return session.scalar(
+        select(Study)
+        .where(
+            Study.chip_id == chip_id,
+            Study.model_id == model_id,
+            Study.objective == objective,
+            Study.n_prompt == n_prompt,
+            Study.n_gen == n_gen,
+        )
+        .order_by(Study.created_at.desc(), Study.id.desc())
+    )
+
+
+def add_study(session: Session, **fields) -> Study:
+    study = Study(**fields)
+    session.add(study)
+    session.flush()
+    return study
+
+
+def set_study_state(session: Session, study_id: int, state: str, message: str | None = None) -> None:
+    study = session.get(Study, study_id)
+    study.state = state
+    study.message = message
+    study.updated_at = utcnow()
+
+
+def start_trial(
+    session: Session,
+    *,
+    study_id: int,
+    optuna_number: int | None,
+    phase: str,
+    params: dict,
+    simulated: bool,
+) -> int:
+    trial = Trial(
+        study_id=study_id,
+        optuna_number=optuna_number,
+        phase=phase,
+        params=params,
+        state="running",
+        simulated=simulated,
+        started_at=utcnow(),
+    )
+    session.add(trial)
+    session.flush()
+    return trial.id
+
+
+def finish_trial(
+    session: Session,
+    trial_id: int,
+    result: TrialResult,
+    *,
+    objective_value: float | None,
+    e2e_s: float | None,
+    node_id: int | None,
+) -> None:
+    """Store a result and all its samples in one transaction (the caller's)."""
+    trial = session.get(Trial, trial_id)
+    trial.state = "complete" if result.ok else "failed"
+    trial.error = result.error
+    trial.node_id = node_id
+    trial.objective_value = objective_value
+    for kind in ("pp", "tg"):
+        stats = result.stats(kind)
+        setattr(trial, f"{kind}_tps_median", stats.median if stats else None)
+        setattr(trial, f"{kind}_tps_mean", stats.mean if stats else None)
+        setattr(trial, f"{kind}_tps_stddev", stats.stddev if stats else None)
+        setattr(trial, f"{kind}_cv", stats.cv if stats else None)
+    trial.e2e_s = e2e_s
+    trial.load_s, trial.measure_s = result.load_s, result.measure_s
+    trial.peak_rss_bytes = result.peak_rss_bytes
+    trial.thermal_before, trial.thermal_after = result.thermal_before, result.thermal_after
+    trial.simulated = trial.simulated or result.simulated
+    trial.started_at = _ts(result.started_at) or trial.started_at
+    trial.finished_at = _ts(result.finished_at) or utcnow()
+    for sample in result.samples:
+        trial.samples.append(
+            SampleRow(kind=sample.kind, rep=sample.rep, n_tokens=sample.n_tokens, seconds=sample.seconds)
+        )
+
+
+def fail_running_trials(session: Session, study_id: int, reason: str) -> list[int]:
+    """Mark trials left RUNNING (e.g. by a killed driver) as failed; returns their Optuna numbers."""
+    rows = list(session.scalars(select(Trial).where(Trial.study_id == study_id, Trial.state == "running")))
+    for row in rows:
+        row.state, row.error, row.finished_at = "failed", reason, utcnow()
+    return [r.optuna_number for r in rows if r.optuna_number is not None]
+
+
+def study_trials(session: Session, study_id: int, phase: str | None = None) -> list[Trial]:
+    query = select(Trial).where(Trial.study_id == study_id).options(joinedload(Trial.samples))
+    if phase:
+        query = query.where(Trial.phase == phase)
+    return list(session.scalars(query.order_by(Trial.id)).unique())
+
+
+def recorded_optuna_numbers(session: Session, study_id: int) -> set[int]:
+    return set(
+        session.scalars(
+            select(Trial.optuna_number).where(
+                Trial.study_id == study_id, Trial.optuna_number.is_not(None)
+            )
+        )
+    )
+
+
+# ---------------------------------------------------------------- queries for the CLI
+
+
+@dataclass(frozen=True)
+class ResultFilter:
+    chip: str | None = None
+    model: str | None = None
+    study: str | None = None
+    state: str | None = "complete"
+    top: int | None = None
+    simulated: bool | None = None
+
+
+def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
+    query = (
+        select(Trial)
+        .join(Study)
+        .join(Chip, Study.chip_id == Chip.id)
+        .join(Model, Study.model_id == Model.id)
+        .options(joinedload(Trial.study).joinedload(Study.chip), joinedload(Trial.study).joinedload(Study.model),
+                 joinedload(Trial.node))
+    )
+    if flt.chip:
+        query = query.where(or_(Chip.key == flt.chip, Chip.key.startswith(flt.chip + "-")))
+    if flt.model:
+        ref = flt.model.lower()
+        query = query.where(or_(func.lower(Model.name) == ref, Model.sha256.startswith(ref)))
+    if flt.study:
+        query = query.where(Study.name == flt.study)
+    if flt.state:
+        query = query.where(Trial.state == flt.state)
+    if flt.simulated is not None:
+        query = query.where(Trial.simulated == flt.simulated)
+    if flt.top:
+        query = query.where(Trial.objective_value.is_not(None))
+        query = query.order_by(Trial.objective_value.desc(), Trial.id).limit(flt.top)
+    else:
+        query = query.order_by(Trial.id)
+    return list(session.scalars(query).unique())
+
+
+def add_recommendation(session: Session, **fields) -> Recommendation:
+    version = (
+        session.scalar(
+            select(func.max(Recommendation.version)).where(
+                Recommendation.chip_id == fields["chip_id"],
+                Recommendation.model_id == fields["model_id"],
+                Recommendation.objective == fields["objective"],
+                Recommendation.n_prompt == fields["n_prompt"],
+                Recommendation.n_gen == fields["n_gen"],
+            )
+        )
+        or 0
+    )
+    rec = Recommendation(version=version + 1, **fields)
+    session.add(rec)
+    session.flush()
+    return rec
+
+
+def latest_recommendations(
+    session: Session, model_ids: list[int], chip_key: str | None = None, objective: str | None = None
+) -> list[Recommendation]:
+    """The newest version per (chip, model, workload), real measurements before simulated ones."""
+    query = (
+        select(Recommendation)
+        .join(Chip, Recommendation.chip_id == Chip.id)
+        .options(joinedload(Recommendation.chip), joinedload(Recommendation.model))
+        .where(Recommendation.model_id.in_(model_ids))
+    )
+    if chip_key:
+        query = query.where(or_(Chip.key == chip_key, Chip.key.startswith(chip_key + "-")))
+    if objective:
+        query = query.where(Recommendation.objective == objective)
+    rows = list(session.scalars(query.order_by(Recommendation.version.desc())).unique())
+    newest: dict[tuple, Recommendation] = {}
+    for rec in rows:
+        key = (rec.chip_id, rec.model_id, rec.objective, rec.n_prompt, rec.n_gen, rec.simulated)
+        newest.setdefault(key, rec)
+    return sorted(newest.values(), key=lambda r: (r.chip.key, r.simulated, r.objective))

@@ -1,0 +1,179 @@
+"""Opening the results database: URL, engine, schema version checks.
+
+SQLite (WAL, busy timeout) is the embedded default under the user's data directory; any SQLAlchemy
+URL works, ``postgresql+psycopg://`` for a fleet. A fresh database is created on first use; one at
+an older schema is never silently altered (``fleettune db upgrade`` does that, on request).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from migrations import SCRIPT_LOCATION, VERSION_TABLE
+from orchestrator.db.models import Base
+from workers.errors import BadInput
+
+SQLITE_BUSY_TIMEOUT_S = 30
+
+
+def data_dir() -> Path:
+    """Where fleettune keeps its database and models: $FLEETTUNE_HOME or the XDG data dir."""
+    if os.environ.get("FLEETTUNE_HOME"):
+        return Path(os.environ["FLEETTUNE_HOME"])
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("fleettune", appauthor=False))
+
+
+def default_db_url() -> str:
+    return os.environ.get("FLEETTUNE_DB") or f"sqlite:///{data_dir() / 'fleettune.db'}"
+
+
+def redact(url: str | URL) -> str:
+    """The URL without its password, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable URL>"
+
+
+def _parse(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise BadInput(f"bad database URL {redact(url)!r}: expected e.g. sqlite:///path.db") from None
+    if parsed.drivername == "postgresql":  # psycopg 3 is the driver fleettune ships with
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def engine_kwargs(url: URL) -> dict:
+    """Engine options fleettune uses for a URL (shared with Optuna's storage)."""
+    if url.get_backend_name() == "sqlite":
+        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
+    return {"pool_pre_ping": True}
+
+
+def make_engine(url: str | URL) -> Engine:
+    parsed = _parse(str(url) if isinstance(url, str) else url.render_as_string(hide_password=False))
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        parent = Path(parsed.database).expanduser().parent
+        if not parent.is_dir():
+            raise BadInput(f"bad database URL {redact(parsed)!r}: folder {parent} does not exist")
+    try:
+        engine = create_engine(parsed, **engine_kwargs(parsed))
+    except (ArgumentError, NoSuchModuleError, ImportError) as exc:
+        raise BadInput(f"bad database URL {redact(parsed)!r}: {exc}") from None
+    if parsed.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def alembic_config(connection=None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", SCRIPT_LOCATION)
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+class Database:
+    """An open results database: engine + session factory, schema checked."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.url = engine.url
+        self.sessions = sessionmaker(engine, expire_on_commit=False)
+
+    @property
+    def url_string(self) -> str:
+        """The full URL (password included) for other libraries such as Optuna's storage."""
+        return self.url.render_as_string(hide_password=False)
+
+    @property
+    def display_url(self) -> str:
+        return redact(self.url)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: committed on success, rolled back on any error."""
+        with self.sessions() as session, session.begin():
+            yield session
+
+    def current_revision(self) -> str | None:
+        with self.engine.connect() as conn:
+            return MigrationContext.configure(
+                conn, opts={"version_table": VERSION_TABLE}
+            ).get_current_revision()
+
+    def has_our_tables(self) -> bool:
+        existing = set(inspect(self.engine).get_table_names())
+        return bool(existing & set(Base.metadata.tables))
+
+    def upgrade(self) -> tuple[str | None, str]:
+        """Bring the schema to the newest revision; returns (before, after)."""
+        before = self.current_revision()
+        with self.engine.begin() as conn:
+            command.upgrade(alembic_config(conn), "head")
+        return before, self.current_revision() or ""
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def open_database(url: str | None = None, *, create: bool = True, check: bool = True) -> Database:
+    """Open (and on first use create) the database; refuse one at another schema version."""
+    url = url or default_db_url()
+    if url == default_db_url() and not os.environ.get("FLEETTUNE_DB"):
+        data_dir().mkdir(parents=True, exist_ok=True)
+    db = Database(make_engine(url))
+    try:
+        if not check:
+            with db.engine.connect():
+                pass
+            return db
+        current = db.current_revision()
+        head = head_revision()
+        if current == head:
+            return db
+        if current is None and not db.has_our_tables() and create:
+            db.upgrade()
+            return db
+        db.dispose()
+        if current is None:
+            raise BadInput(
+                f"database {db.display_url} has fleettune tables but no schema version; "
+                "it was not made by fleettune"
+            )
+        raise BadInput(
+            f"database {db.display_url} is at schema {current}, this fleettune needs {head}; "
+            "run `fleettune db upgrade` (back it up first)"
+        )
+    except SQLAlchemyError as exc:
+        db.dispose()
+        reason = str(exc.orig if getattr(exc, "orig", None) else exc).strip().splitlines()[0]
+        raise BadInput(f"cannot open database {db.display_url}: {reason}") from None

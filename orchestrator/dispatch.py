@@ -1,0 +1,173 @@
+"""Ray: connect, find bench nodes by chip label, run trials one per node at a time.
+
+Every worker node offers one unit of the custom resource ``fleettune_bench`` and a label
+``fleettune.io/chip=<chip_key>``. A trial asks for one unit and selects its chip's label, so it
+runs only on a node of that chip and never beside another benchmark. Trials are never retried by
+Ray (``max_retries=0``): a lost node is a failed trial the study decides about.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from workers import agent
+from workers.agent import NodeInfo
+from workers.errors import BadInput
+from workers.trial import TrialResult, TrialSpec
+
+BENCH_RESOURCE = "fleettune_bench"
+CHIP_LABEL = "fleettune.io/chip"
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class BenchNode:
+    """A live Ray node that offers a bench slot."""
+
+    ray_node_id: str
+    chip_key: str | None
+    address: str
+    labels: dict
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast with one line instead of letting ray.init retry an unreachable head for minutes."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise BadInput(f"bad Ray address {address!r}: expected HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise BadInput(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
+
+
+def connect(address: str | None, *, local_chip_key: str | None = None) -> bool:
+    """Join the cluster at ``address``, or start an embedded one-node cluster on this machine.
+
+    Returns True when this call started Ray (the caller then shuts it down).
+    """
+    import ray
+
+    if address:
+        _check_reachable(address)
+    if ray.is_initialized():  # a caller in this process already joined (tests, notebooks)
+        current = ray.get_runtime_context().gcs_address
+        if address and address not in ("auto", current):
+            raise BadInput(f"this process is already connected to the Ray cluster at {current}")
+        return False
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise BadInput(f"cannot join the Ray cluster at {address}: {exc}") from None
+        return True
+    labels = {CHIP_LABEL: local_chip_key} if local_chip_key else {}
+    ray.init(
+        address="local",  # always a new one-node cluster, never one found on this machine
+        resources={BENCH_RESOURCE: 1},
+        labels=labels,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    return True
+
+
+def shutdown() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def bench_nodes(chip_key: str | None = None) -> list[BenchNode]:
+    """Alive nodes with a bench slot, optionally only those of one chip."""
+    import ray
+
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive") or node.get("Resources", {}).get(BENCH_RESOURCE, 0) < 1:
+            continue
+        labels = dict(node.get("Labels") or {})
+        key = labels.get(CHIP_LABEL)
+        if chip_key is None or key == chip_key:
+            nodes.append(BenchNode(node["NodeID"], key, node.get("NodeManagerAddress", ""), labels))
+    return nodes
+
+
+def describe_nodes(nodes: list[BenchNode], timeout_s: float = 120) -> list[NodeInfo]:
+    """Ask each node to fingerprint itself (pinned to that node, not using its bench slot)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(agent.node_info)
+    refs = [
+        task.options(
+            num_cpus=0,
+            max_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_node_id, soft=False),
+        ).remote()
+        for node in nodes
+    ]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    infos = []
+    for ref in ready:
+        try:
+            infos.append(ray.get(ref))
+        except ray.exceptions.RayError:
+            continue  # a node that cannot describe itself is left out of this study
+    return infos
+
+
+class Dispatcher:
+    """Submits trials to a chip's nodes and waits for them with timeouts (never forever)."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self._ray = ray
+        self._task = ray.remote(agent.run_trial)
+
+    def submit(self, spec: TrialSpec, chip_key: str | None):
+        options: dict = {
+            "num_cpus": 0,
+            "resources": {BENCH_RESOURCE: 1},
+            "max_retries": 0,
+            "retry_exceptions": False,
+        }
+        if chip_key:
+            options["label_selector"] = {CHIP_LABEL: chip_key}
+        return self._task.options(**options).remote(spec)
+
+    def wait(self, refs: list, timeout_s: float) -> list:
+        """The refs among ``refs`` that finished within ``timeout_s``."""
+        if not refs:
+            return []
+        done, _ = self._ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if done:  # collect everything else that is already finished, without waiting
+            more, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+            done = list({id(r): r for r in [*done, *more]}.values())
+        return done
+
+    def result(self, ref, trial_key: str) -> TrialResult:
+        """The trial's result; a lost node or a dead task is a failed trial with that reason."""
+        ray = self._ray
+        try:
+            return ray.get(ref)
+        except ray.exceptions.NodeDiedError:
+            return TrialResult.failure(trial_key, "node lost")
+        except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError,
+                ray.exceptions.OwnerDiedError):
+            return TrialResult.failure(trial_key, "node lost")
+        except ray.exceptions.TaskCancelledError:
+            return TrialResult.failure(trial_key, "interrupted")
+        except ray.exceptions.RayTaskError as exc:
+            return TrialResult.failure(trial_key, f"worker error: {exc.cause!r}")
+        except ray.exceptions.RayError as exc:
+            return TrialResult.failure(trial_key, f"ray error: {type(exc).__name__}")
+
+    def cancel(self, ref) -> None:
+        self._ray.cancel(ref, force=True)

@@ -1,0 +1,162 @@
+"""Recommendations: the best confirmed configuration of a study, with the evidence behind it.
+
+Pure computation over trial records; the caller stores the result. Simulated and real measurements
+are never pooled: a study is one or the other, and ``recommend`` refuses a mixed set.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+
+from workers.errors import FleettuneError
+from workers.trial import BenchParams, Sample
+
+OBJECTIVES = ("tg", "pp", "e2e")
+DIRECTIONS = {"tg": "maximize", "pp": "maximize", "e2e": "minimize"}
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """The part of a stored trial that learning needs."""
+
+    trial_id: int
+    phase: str  # baseline | search | confirm
+    params: BenchParams
+    samples: tuple[Sample, ...]
+    simulated: bool
+
+
+@dataclass(frozen=True)
+class RecommendationDraft:
+    params: BenchParams
+    expected_tps: float
+    interval_low: float
+    interval_high: float
+    expected_pp_tps: float | None
+    expected_tg_tps: float | None
+    baseline_tps: float | None
+    improvement: float | None
+    evidence: list[int]
+    simulated: bool
+
+
+def e2e_seconds(pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
+    """Time to process an ``n_prompt`` prompt and generate ``n_gen`` tokens at the given rates."""
+    total = 0.0
+    for tokens, rate in ((n_prompt, pp_tps), (n_gen, tg_tps)):
+        if tokens:
+            if not rate:
+                return None
+            total += tokens / rate
+    return total
+
+
+def objective_value(objective: str, pp: float | None, tg: float | None, n_prompt: int, n_gen: int):
+    """What Optuna optimises: tok/s for tg and pp (maximise), seconds for e2e (minimise)."""
+    if objective == "tg":
+        return tg
+    if objective == "pp":
+        return pp
+    return e2e_seconds(pp, tg, n_prompt, n_gen)
+
+
+def _rates(samples, kind: str) -> list[float]:
+    return [s.tokens_per_s for s in samples if s.kind == kind]
+
+
+def _key(params: BenchParams) -> str:
+    return json.dumps(params.to_dict(), sort_keys=True)
+
+
+def recommend(
+    records: list[TrialRecord], objective: str, n_prompt: int, n_gen: int
+) -> RecommendationDraft | None:
+    """Pick the configuration with the best pooled median among those that were confirmed.
+
+    Candidates are the configurations that have a ``confirm`` trial (the study re-measures its top
+    configurations and the baseline in one round); each is judged on all its samples together. The
+    interval is the range of its per-repetition rates in the objective's unit.
+    """
+    if len({r.simulated for r in records}) > 1:
+        raise FleettuneError("refusing to learn from simulated and real measurements together")
+    by_config: dict[str, list[TrialRecord]] = {}
+    for record in records:
+        by_config.setdefault(_key(record.params), []).append(record)
+    confirmed = [rs for rs in by_config.values() if any(r.phase == "confirm" for r in rs)]
+    candidates = confirmed or list(by_config.values())
+
+    def summary(group: list[TrialRecord]) -> dict | None:
+        samples = [s for r in group for s in r.samples]
+        pp, tg = _rates(samples, "pp"), _rates(samples, "tg")
+        pp_med = statistics.median(pp) if pp else None
+        tg_med = statistics.median(tg) if tg else None
+        if objective == "tg":
+            rates = tg
+        elif objective == "pp":
+            rates = pp
+        else:  # e2e as effective tokens per second over the whole request
+            seconds = e2e_seconds(pp_med, tg_med, n_prompt, n_gen)
+            if not seconds:
+                return None
+            value = (n_prompt + n_gen) / seconds
+            spread = [
+                (n_prompt + n_gen) / s
+                for s in (
+                    e2e_seconds(min(pp) if pp else None, min(tg) if tg else None, n_prompt, n_gen),
+                    e2e_seconds(max(pp) if pp else None, max(tg) if tg else None, n_prompt, n_gen),
+                )
+                if s
+            ]
+            return {"value": value, "low": min(spread), "high": max(spread), "pp": pp_med, "tg": tg_med}
+        if not rates:
+            return None
+        return {
+            "value": statistics.median(rates),
+            "low": min(rates),
+            "high": max(rates),
+            "pp": pp_med,
+            "tg": tg_med,
+        }
+
+    scored = [(summary(group), group) for group in candidates]
+    scored = [(s, g) for s, g in scored if s is not None]
+    if not scored:
+        return None
+    best, group = max(scored, key=lambda item: item[0]["value"])
+    baseline_group = [r for r in records if r.phase == "baseline"]
+    baseline_key = _key(baseline_group[0].params) if baseline_group else None
+    baseline = summary(by_config[baseline_key]) if baseline_key else None
+    baseline_tps = baseline["value"] if baseline else None
+    return RecommendationDraft(
+        params=group[0].params,
+        expected_tps=best["value"],
+        interval_low=best["low"],
+        interval_high=best["high"],
+        expected_pp_tps=best["pp"],
+        expected_tg_tps=best["tg"],
+        baseline_tps=baseline_tps,
+        improvement=(best["value"] / baseline_tps - 1) if baseline_tps else None,
+        evidence=sorted(r.trial_id for r in group),
+        simulated=group[0].simulated,
+    )
+
+
+def top_configs(records: list[TrialRecord], values: dict[int, float], objective: str, k: int) -> list[BenchParams]:
+    """The ``k`` best distinct configurations of the search, by their objective value."""
+    reverse = DIRECTIONS[objective] == "maximize"
+    ranked = sorted(
+        (r for r in records if r.phase == "search" and r.trial_id in values),
+        key=lambda r: values[r.trial_id],
+        reverse=reverse,
+    )
+    seen, out = set(), []
+    for record in ranked:
+        key = _key(record.params)
+        if key not in seen:
+            seen.add(key)
+            out.append(record.params)
+        if len(out) == k:
+            break
+    return out

@@ -1,0 +1,86 @@
+"""Rows for the query commands (`results`, `best`), from the database, ready for a printer."""
+
+from __future__ import annotations
+
+from orchestrator.db import Database, repo
+from workers.errors import BadInput
+from workers.trial import BenchParams
+
+
+def trial_rows(
+    db: Database,
+    *,
+    chip: str | None = None,
+    model: str | None = None,
+    study: str | None = None,
+    state: str | None = "complete",
+    top: int | None = None,
+) -> list[dict]:
+    flt = repo.ResultFilter(chip=chip, model=model, study=study, state=state, top=top)
+    with db.session() as s:
+        trials = repo.query_trials(s, flt)
+        return [
+            {
+                "id": t.id,
+                "study": t.study.name,
+                "chip": t.study.chip.key,
+                "model": t.study.model.name,
+                "model_sha256": t.study.model.sha256,
+                "phase": t.phase,
+                "optuna_number": t.optuna_number,
+                "state": t.state,
+                "error": t.error,
+                "params": t.params,
+                "flags": BenchParams.from_dict(t.params).llama_cpp_flags(),
+                "objective": t.study.objective,
+                "objective_value": t.objective_value,
+                "pp_tps": t.pp_tps_median,
+                "pp_stddev": t.pp_tps_stddev,
+                "tg_tps": t.tg_tps_median,
+                "tg_stddev": t.tg_tps_stddev,
+                "cv": t.tg_cv if t.study.objective == "tg" else t.pp_cv,
+                "e2e_s": t.e2e_s,
+                "load_s": t.load_s,
+                "peak_rss_bytes": t.peak_rss_bytes,
+                "node": t.node.hostname if t.node else None,
+                "sim": t.simulated,
+                "started_at": t.started_at,
+                "finished_at": t.finished_at,
+            }
+            for t in trials
+        ]
+
+
+def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | None) -> list[dict]:
+    from orchestrator.registry import looks_like_path, resolve
+
+    ref = resolve(db, model_ref).sha256 if looks_like_path(model_ref) else model_ref
+    with db.session() as s:
+        models = repo.find_models(s, ref)
+        if not models:
+            raise BadInput(f"unknown model {model_ref!r}")
+        recs = repo.latest_recommendations(s, [m.id for m in models], chip, objective)
+        rows = []
+        for rec in recs:
+            params = BenchParams.from_dict(rec.params)
+            rows.append({
+                "chip": rec.chip.key,
+                "model": rec.model.name,
+                "objective": rec.objective,
+                "n_prompt": rec.n_prompt,
+                "n_gen": rec.n_gen,
+                "flags": params.llama_cpp_flags(),
+                "llama_cpp_python": params.llama_cpp_python_kwargs(),
+                "expected_tps": rec.expected_tps,
+                "interval": [rec.interval_low, rec.interval_high],
+                "pp_tps": rec.expected_pp_tps,
+                "tg_tps": rec.expected_tg_tps,
+                "baseline_tps": rec.baseline_tps,
+                "improvement": rec.improvement,
+                "improvement_pct": f"{rec.improvement:+.0%}" if rec.improvement is not None else None,
+                "version": rec.version,
+                "evidence": rec.evidence,
+                "simulated": rec.simulated,
+                "created_at": rec.created_at,
+            })
+        return rows

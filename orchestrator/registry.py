@@ -1,0 +1,72 @@
+"""Models known to the results database: register a GGUF file, resolve what the user typed.
+
+MODEL on the command line is a path, a sha256 prefix (6+ hex digits) or a registered name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from orchestrator.db import Database, repo
+from orchestrator.db.session import data_dir
+from workers.errors import BadInput
+from workers.models import KNOWN_MODELS, ModelInfo, fetch_known_model, read_model_info
+
+
+def models_dir() -> Path:
+    return data_dir() / "models"
+
+
+def register(db: Database, path: str | os.PathLike) -> ModelInfo:
+    """Read a GGUF file (hashing it only when it changed since last time) and record it."""
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise BadInput(f"{path}: no such model file")
+    mtime = file.stat().st_mtime
+    with db.session() as s:
+        known = repo.model_by_path(s, str(file))
+        if known and known.path_mtime == mtime and known.size_bytes == file.stat().st_size:
+            info = repo.model_info_of(known)
+            return ModelInfo(**{**info.to_dict(), "path": str(file)})
+    info = read_model_info(file)  # raises BadInput before anything is written
+    with db.session() as s:
+        repo.upsert_model(s, info, mtime)
+    return info
+
+
+def looks_like_path(ref: str) -> bool:
+    return Path(ref).expanduser().exists() or ref.endswith(".gguf") or os.sep in ref
+
+
+def resolve(db: Database, ref: str) -> ModelInfo:
+    """The model ``ref`` names; a path is registered on the way."""
+    if looks_like_path(ref):
+        return register(db, ref)
+    if ref in KNOWN_MODELS:
+        path = models_dir() / Path(KNOWN_MODELS[ref].member).name
+        if not path.is_file():
+            raise BadInput(f"model {ref} is not here yet: run `fleettune model fetch {ref}`")
+        return register(db, path)
+    with db.session() as s:
+        matches = repo.find_models(s, ref)
+        infos = [repo.model_info_of(m) for m in matches]
+    if not infos:
+        raise BadInput(f"unknown model {ref!r}: not a file, a registered name or a sha256 prefix")
+    if len(infos) > 1:
+        names = ", ".join(f"{i.name} ({i.sha256[:12]})" for i in infos)
+        raise BadInput(f"model {ref!r} is ambiguous: {names}")
+    info = infos[0]
+    if not info.path or not Path(info.path).is_file():
+        raise BadInput(f"model {info.name} ({info.sha256[:12]}) is registered but its file is gone: {info.path}")
+    return info
+
+
+def fetch(db: Database, name: str, dest: str | os.PathLike | None = None) -> ModelInfo:
+    path = fetch_known_model(name, dest or models_dir())
+    return register(db, path)
+
+
+def list_all(db: Database) -> list[ModelInfo]:
+    with db.session() as s:
+        return [repo.model_info_of(m) for m in repo.list_models(s)]

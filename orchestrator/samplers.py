@@ -1,0 +1,119 @@
+"""Samplers by name. Each is an Optuna sampler; a new one is one entry (or one class) here.
+
+- ``tpe``: multivariate TPE with the constant liar, so trials running in parallel on several nodes
+  of a chip are not proposed twice.
+- ``gp``: Optuna's Gaussian-process sampler (needs torch).
+- ``random``, ``grid``: baselines; the grid is a coarse one over the study's space.
+- ``seed-scan``: the hand method people use today: threads at ngl 0, then ngl at the best threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.samplers import BaseSampler
+from optuna.trial import FrozenTrial, TrialState
+
+from orchestrator.space import SearchSpace
+from workers.errors import BadInput
+
+SAMPLER_NAMES = ("tpe", "gp", "random", "grid", "seed-scan")
+DEFAULT_SAMPLER = "tpe"
+
+
+class SeedScanSampler(BaseSampler):
+    """Scan threads at ngl 0 (default batch), then ngl at the best threads, then repeat the best.
+
+    Reproduces the shell-loop method so its result can be compared with the smarter samplers.
+    """
+
+    def __init__(self, space: SearchSpace, direction: str = "maximize", max_ngl_steps: int = 12):
+        self.space = space
+        self.maximize = direction == "maximize"
+        batch = 512 if 512 in space.batch_choices else max(space.batch_choices)
+        self.batch = batch
+        self.thread_scan = [
+            {"ngl": 0, "threads": t, "batch": batch, "ubatch": batch}
+            for t in range(1, space.threads_max + 1)
+        ]
+        if space.ngl_max > 0:
+            step = max(1, -(-(space.ngl_max + 1) // max_ngl_steps))
+            self.ngl_values = sorted({*range(0, space.ngl_max + 1, step), space.ngl_max})
+        else:
+            self.ngl_values = [0]
+        self._plans: dict[int, dict] = {}
+        self._fallback = optuna.samplers.RandomSampler(seed=0)  # for parameters the scan leaves open
+
+    def plan_length(self) -> int:
+        return len(self.thread_scan) + len(self.ngl_values)
+
+    def _best(self, trials: list[FrozenTrial], only: Callable[[FrozenTrial], bool]) -> FrozenTrial | None:
+        done = [t for t in trials if t.state == TrialState.COMPLETE and only(t)]
+        if not done:
+            return None
+        pick = max if self.maximize else min
+        return pick(done, key=lambda t: t.value)
+
+    def _plan(self, study: optuna.Study, trial: FrozenTrial) -> dict:
+        if trial.number in self._plans:
+            return self._plans[trial.number]
+        trials = study.get_trials(deepcopy=False)
+        index = sum(1 for t in trials if t.number < trial.number)
+        if index < len(self.thread_scan):
+            plan = self.thread_scan[index]
+        else:
+            best_t = self._best(trials, lambda t: t.params.get("ngl", 0) == 0)
+            threads = best_t.params["threads"] if best_t else max(1, self.space.threads_max // 2)
+            k = index - len(self.thread_scan)
+            if k < len(self.ngl_values):
+                plan = {"ngl": self.ngl_values[k], "threads": threads, "batch": self.batch, "ubatch": self.batch}
+            else:
+                best = self._best(trials, lambda t: True)
+                plan = dict(best.params) if best else self.thread_scan[0]
+        self._plans[trial.number] = plan
+        return plan
+
+    def infer_relative_search_space(self, study, trial) -> dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study, trial, search_space) -> dict:
+        return {}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        plan = self._plan(study, trial)
+        if param_name in plan:
+            return plan[param_name]
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+
+def make_sampler(name: str, space: SearchSpace, budget: int, direction: str, seed: int | None) -> BaseSampler:
+    """The sampler called ``name`` for a study over ``space`` with ``budget`` trials."""
+    if name == "tpe":
+        return optuna.samplers.TPESampler(
+            n_startup_trials=min(10, max(3, budget // 3)),
+            multivariate=True,
+            constant_liar=True,
+            seed=seed,
+        )
+    if name == "gp":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise BadInput("sampler gp needs torch: pip install 'fleettune[gp]'") from None
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=min(10, max(3, budget // 3)))
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(space.grid(), seed=seed)
+    if name == "seed-scan":
+        return SeedScanSampler(space, direction)
+    raise BadInput(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLER_NAMES)}")
+
+
+def grid_size(space: SearchSpace) -> int:
+    size = 1
+    for values in space.grid().values():
+        size *= len(values)
+    return size

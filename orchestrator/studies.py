@@ -1,0 +1,479 @@
+"""Studies: one Optuna study per (chip, model, workload, objective), run over Ray, stored in the DB.
+
+A study runs in three phases: ``baseline`` (llama-cpp-python's defaults, measured so the gain is
+known), ``search`` (the sampler's trials, as many in parallel as the chip has idle nodes) and
+``confirm`` (the top configurations and the baseline measured again in one round). The confirmed
+evidence becomes a recommendation row.
+
+The head owns the database; workers get a ``TrialSpec`` and return a ``TrialResult``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import optuna
+from optuna.storages import RDBStorage
+from optuna.trial import TrialState
+
+from orchestrator import learn
+from orchestrator.db import Database, repo
+from orchestrator.db.session import engine_kwargs
+from orchestrator.dispatch import Dispatcher
+from orchestrator.samplers import SAMPLER_NAMES, SeedScanSampler, grid_size, make_sampler
+from orchestrator.space import SearchSpace, llama_cpp_python_defaults
+from workers.bench import validate_params, validate_workload
+from workers.errors import BadInput, FleettuneError
+from workers.hardware import Fingerprint
+from workers.models import ModelInfo
+from workers.trial import BenchParams, TrialResult, TrialSpec, Workload
+
+POLL_S = 0.5
+NO_NODE_GRACE_S = 30.0
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+log = logging.getLogger(__name__)
+
+
+class StudyPaused(FleettuneError):
+    """The study stopped before its budget (Ctrl-C, no node of the chip left); --resume continues."""
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What the user asked for."""
+
+    model: ModelInfo
+    objective: str = "tg"
+    workload: Workload = field(default_factory=Workload)
+    n_trials: int = 30
+    sampler: str = "tpe"
+    name: str | None = None
+    resume: bool = False
+    seed: int | None = None
+    timeout_s: float = 600.0
+    cooldown_s: float = 0.0
+    confirm_top: int = 3
+
+    def validate(self) -> None:
+        if self.objective not in learn.OBJECTIVES:
+            raise BadInput(f"unknown objective {self.objective!r}; choose one of tg, pp, e2e")
+        if self.sampler not in SAMPLER_NAMES:
+            raise BadInput(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SAMPLER_NAMES)}")
+        if self.n_trials < 1:
+            raise BadInput(f"trials {self.n_trials}: must be >= 1")
+        if self.objective == "tg" and self.workload.n_gen < 1:
+            raise BadInput("objective tg needs --gen-tokens >= 1")
+        if self.objective == "pp" and self.workload.n_prompt < 1:
+            raise BadInput("objective pp needs --prompt-tokens >= 1")
+        validate_workload(self.workload, self.model)
+
+
+@dataclass(frozen=True)
+class ChipTarget:
+    """The chip a study runs on: its fingerprint and the DB ids of its known nodes."""
+
+    fingerprint: Fingerprint
+    node_ids: dict[str, int]  # ray node id -> nodes.id
+    simulated: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.fingerprint.chip_key or ""
+
+
+@dataclass
+class Progress:
+    """A snapshot for progress displays."""
+
+    phase: str
+    done: int
+    total: int
+    failed: int = 0
+    best_value: float | None = None
+    best_params: BenchParams | None = None
+    running: list[BenchParams] = field(default_factory=list)
+    last: TrialResult | None = None
+
+
+@dataclass(frozen=True)
+class StudyOutcome:
+    name: str
+    state: str
+    n_complete: int
+    n_failed: int
+    recommendation: learn.RecommendationDraft | None
+    recommendation_version: int | None
+    baseline_params: BenchParams
+
+
+def default_study_name(chip_key: str, model: ModelInfo, objective: str, workload: Workload) -> str:
+    return f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}"
+
+
+class StudyRunner:
+    """Runs one study to its budget; safe to interrupt and resume."""
+
+    def __init__(
+        self,
+        db: Database,
+        dispatcher: Dispatcher,
+        cfg: StudyConfig,
+        target: ChipTarget,
+        alive_nodes: Callable[[], int],
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.db, self.dispatcher, self.cfg, self.target = db, dispatcher, cfg, target
+        self.alive_nodes = alive_nodes
+        self.on_progress = on_progress or (lambda p: None)
+        self.direction = learn.DIRECTIONS[cfg.objective]
+        self.baseline = llama_cpp_python_defaults(target.fingerprint)
+        self.study_id: int | None = None
+        self.name = ""
+        self.space: SearchSpace | None = None
+        self.budget = cfg.n_trials
+
+    # ---------------------------------------------------------------- setup
+
+    def prepare(self) -> None:
+        """Create or resume the study rows; raises BadInput before writing anything on a clash."""
+        cfg, fp = self.cfg, self.target.fingerprint
+        cfg.validate()
+        validate_params(self.baseline, fp, cfg.model)
+        space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt)
+        with self.db.session() as s:
+            chip = repo.upsert_chip(s, fp)  # rolled back with the rest if a check below fails
+            model = repo.upsert_model(s, cfg.model)
+            existing = None
+            if cfg.name:
+                existing = repo.get_study(s, cfg.name)
+            elif cfg.resume:
+                existing = repo.latest_study(
+                    s, chip.id, model.id, cfg.objective, cfg.workload.n_prompt, cfg.workload.n_gen
+                )
+            if existing is not None and not cfg.resume:
+                raise BadInput(f"study {cfg.name!r} already exists; pass --resume to continue it")
+            if existing is None and cfg.resume:
+                raise BadInput("no study to resume for this chip, model and workload")
+            if existing is not None:
+                self._check_same(existing, chip, model)
+                self.study_id, self.name = existing.id, existing.name
+                self.space = SearchSpace.from_dict(existing.space)
+                self.budget = max(cfg.n_trials, 1)
+                existing.budget = self.budget
+                orphans = repo.fail_running_trials(s, existing.id, "orphaned: the driver stopped")
+                repo.set_study_state(s, existing.id, "running")
+            else:
+                self.name = cfg.name or self._free_name(s)
+                self.space = space
+                if cfg.sampler == "grid":
+                    self.budget = min(self.budget, grid_size(space))
+                study = repo.add_study(
+                    s,
+                    name=self.name,
+                    chip_id=chip.id,
+                    model_id=model.id,
+                    objective=cfg.objective,
+                    n_prompt=cfg.workload.n_prompt,
+                    n_gen=cfg.workload.n_gen,
+                    reps=cfg.workload.reps,
+                    sampler=cfg.sampler,
+                    budget=self.budget,
+                    space=space.to_dict(),
+                    simulated=self.target.simulated,
+                )
+                self.study_id = study.id
+                orphans = []
+        self.optuna_study = self._optuna_study()
+        for number in orphans:
+            self._fail_optuna_trial(number)
+
+    def _check_same(self, study, chip, model) -> None:
+        cfg = self.cfg
+        same = (
+            study.chip_id == chip.id
+            and study.model_id == model.id
+            and study.objective == cfg.objective
+            and (study.n_prompt, study.n_gen) == (cfg.workload.n_prompt, cfg.workload.n_gen)
+        )
+        if not same:
+            raise BadInput(
+                f"study {study.name!r} is for another chip, model or workload "
+                f"({study.chip.key}, {study.model.name}, {study.objective} p{study.n_prompt} g{study.n_gen})"
+            )
+
+    def _free_name(self, session) -> str:
+        base = default_study_name(self.target.key, self.cfg.model, self.cfg.objective, self.cfg.workload)
+        taken = set(repo.study_names_like(session, base))
+        if base not in taken:
+            return base
+        n = 2
+        while f"{base}#{n}" in taken:
+            n += 1
+        return f"{base}#{n}"
+
+    def _optuna_study(self) -> optuna.Study:
+        storage = RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url))
+        sampler = make_sampler(self.cfg.sampler, self.space, self.budget, self.direction, self.cfg.seed)
+        return optuna.create_study(
+            study_name=self.name,
+            storage=storage,
+            sampler=sampler,
+            direction=self.direction,
+            load_if_exists=True,
+        )
+
+    def _fail_optuna_trial(self, number: int) -> None:
+        for t in self.optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.number == number:
+                self.optuna_study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+
+    # ---------------------------------------------------------------- running
+
+    def run(self) -> StudyOutcome:
+        if self.study_id is None:
+            self.prepare()
+        try:
+            if not self._phase_trials("baseline", complete_only=True):
+                self._run_fixed("baseline", [self.baseline])
+            self._search()
+            self._confirm()
+            draft, version = self._recommend()
+        except KeyboardInterrupt:
+            self._set_state("paused", "interrupted; `fleettune tune --resume` continues")
+            raise StudyPaused(f"study {self.name} paused; run the same tune command with --resume") from None
+        except StudyPaused as exc:
+            self._set_state("paused", str(exc))
+            raise
+        counts = self._counts()
+        self._set_state("complete", None)
+        return StudyOutcome(self.name, "complete", counts[0], counts[1], draft, version, self.baseline)
+
+    def _set_state(self, state: str, message: str | None) -> None:
+        with self.db.session() as s:
+            repo.set_study_state(s, self.study_id, state, message)
+
+    def _phase_trials(self, phase: str, complete_only: bool = False):
+        with self.db.session() as s:
+            rows = repo.study_trials(s, self.study_id, phase)
+        return [r for r in rows if r.state == "complete"] if complete_only else rows
+
+    def _counts(self) -> tuple[int, int]:
+        rows = self._phase_trials("search")
+        return (
+            sum(r.state == "complete" for r in rows),
+            sum(r.state == "failed" for r in rows),
+        )
+
+    def _spec(self, params: BenchParams, key: str) -> TrialSpec:
+        return TrialSpec(
+            model_path=self.cfg.model.path,
+            model_sha256=self.cfg.model.sha256,
+            params=params,
+            workload=self.cfg.workload,
+            timeout_s=self.cfg.timeout_s,
+            cooldown_s=self.cfg.cooldown_s,
+            trial_key=key,
+        )
+
+    def _store(self, row_id: int, result: TrialResult) -> float | None:
+        """Write a result; returns its objective value (None for a failed trial)."""
+        w = self.cfg.workload
+        pp, tg = result.pp, result.tg
+        value = e2e = None
+        if result.ok:
+            pp_m, tg_m = (pp.median if pp else None), (tg.median if tg else None)
+            value = learn.objective_value(self.cfg.objective, pp_m, tg_m, w.n_prompt, w.n_gen)
+            e2e = learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
+            if value is None:
+                result.ok, result.error = False, "no samples for the objective"
+        with self.db.session() as s:
+            repo.finish_trial(
+                s,
+                row_id,
+                result,
+                objective_value=value if result.ok else None,
+                e2e_s=e2e,
+                node_id=self.target.node_ids.get(result.node_id or ""),
+            )
+        return value if result.ok else None
+
+    def _wait_for_any(self, inflight: dict) -> list:
+        """Finished refs; pauses the study when the chip has had no node for a grace period."""
+        no_node_since = None
+        while True:
+            done = self.dispatcher.wait(list(inflight), POLL_S)
+            if done:
+                return done
+            if self.alive_nodes() > 0:
+                no_node_since = None
+                continue
+            no_node_since = no_node_since or time.monotonic()
+            if time.monotonic() - no_node_since > NO_NODE_GRACE_S:
+                for ref in inflight:
+                    self.dispatcher.cancel(ref)
+                raise StudyPaused(f"no node of chip {self.target.key} is left; study {self.name} paused")
+
+    def _run_fixed(self, phase: str, configs: list[BenchParams]) -> None:
+        """Measure fixed configurations (baseline, confirmation), in parallel over the chip's nodes."""
+        pending = list(configs)
+        inflight: dict = {}
+        try:
+            while pending or inflight:
+                slots = max(self.alive_nodes(), 1) - len(inflight)
+                while pending and slots > 0:
+                    params = pending.pop(0)
+                    with self.db.session() as s:
+                        row_id = repo.start_trial(
+                            s, study_id=self.study_id, optuna_number=None, phase=phase,
+                            params=params.to_dict(), simulated=self.target.simulated,
+                        )
+                    ref = self.dispatcher.submit(self._spec(params, f"{phase}-{row_id}"), self.target.key)
+                    inflight[ref] = (row_id, params)
+                    slots -= 1
+                self._emit(phase, len(configs) - len(pending) - len(inflight), len(configs), inflight)
+                for ref in self._wait_for_any(inflight):
+                    row_id, params = inflight.pop(ref)
+                    result = self.dispatcher.result(ref, f"{phase}-{row_id}")
+                    self._store(row_id, result)
+                    if not result.ok and result.error == "node lost":
+                        pending.append(params)  # measure it again on another node
+                    self._emit(phase, len(configs) - len(pending) - len(inflight), len(configs),
+                               inflight, last=result)
+        except BaseException:
+            self._abandon(inflight, lambda item: (item[0], None))
+            raise
+
+    def _search(self) -> None:
+        study = self.optuna_study
+        inflight: dict = {}
+        try:
+            while True:
+                trials = study.get_trials(deepcopy=False)
+                complete = sum(t.state == TrialState.COMPLETE for t in trials)
+                failed = sum(t.state == TrialState.FAIL for t in trials)
+                if failed >= max(5, self.budget):
+                    raise StudyPaused(f"{failed} trials failed; see `fleettune results --study "
+                                      f"'{self.name}' --state failed`")
+                slots = max(self.alive_nodes(), 1) - len(inflight)
+                while slots > 0 and complete + len(inflight) < self.budget:
+                    trial = study.ask()
+                    params = self.space.suggest(trial)
+                    with self.db.session() as s:
+                        row_id = repo.start_trial(
+                            s, study_id=self.study_id, optuna_number=trial.number, phase="search",
+                            params=params.to_dict(), simulated=self.target.simulated,
+                        )
+                    ref = self.dispatcher.submit(self._spec(params, f"search-{row_id}"), self.target.key)
+                    inflight[ref] = (row_id, trial, params)
+                    slots -= 1
+                if not inflight:
+                    return
+                self._emit("search", complete, self.budget, {r: v[1:] for r, v in inflight.items()}, failed)
+                for ref in self._wait_for_any(inflight):
+                    row_id, trial, params = inflight.pop(ref)
+                    result = self.dispatcher.result(ref, f"search-{row_id}")
+                    value = self._store(row_id, result)
+                    if value is None:
+                        study.tell(trial, state=TrialState.FAIL)
+                        if result.error == "node lost":
+                            study.enqueue_trial(self.space.optuna_params(params))
+                    else:
+                        study.tell(trial, value)
+                    self._emit("search", complete + (value is not None), self.budget,
+                               {r: v[1:] for r, v in inflight.items()}, failed, last=result)
+        except BaseException:
+            self._abandon(inflight, lambda item: (item[0], item[1]))
+            raise
+
+    def _abandon(self, inflight: dict, unpack) -> None:
+        """Cancel running trials and mark them failed (interrupted), in the DB and in Optuna."""
+        for ref, item in inflight.items():
+            row_id, trial = unpack(item)
+            self.dispatcher.cancel(ref)
+            with self.db.session() as s:
+                repo.finish_trial(
+                    s, row_id, TrialResult.failure("", "interrupted"),
+                    objective_value=None, e2e_s=None, node_id=None,
+                )
+            if trial is not None:
+                self.optuna_study.tell(trial, state=TrialState.FAIL)
+
+    def _records(self) -> tuple[list[learn.TrialRecord], dict[int, float]]:
+        with self.db.session() as s:
+            rows = [r for r in repo.study_trials(s, self.study_id) if r.state == "complete"]
+            records = [
+                learn.TrialRecord(
+                    trial_id=r.id,
+                    phase=r.phase,
+                    params=BenchParams.from_dict(r.params),
+                    samples=tuple(
+                        learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples
+                    ),
+                    simulated=r.simulated,
+                )
+                for r in rows
+            ]
+            values = {r.id: r.objective_value for r in rows if r.objective_value is not None}
+        return records, values
+
+    def _confirm(self) -> None:
+        """Measure the top configurations and the baseline again, in one round."""
+        records, values = self._records()
+        confirm_rows = self._phase_trials("confirm")
+        top = learn.top_configs(records, values, self.cfg.objective, self.cfg.confirm_top)
+        confirmed = {
+            learn._key(BenchParams.from_dict(r.params)) for r in confirm_rows if r.state == "complete"
+        }
+        todo = [p for p in [*top, self.baseline] if learn._key(p) not in confirmed]
+        if todo and top:
+            self._run_fixed("confirm", todo)
+
+    def _recommend(self) -> tuple[learn.RecommendationDraft | None, int | None]:
+        records, _ = self._records()
+        w = self.cfg.workload
+        draft = learn.recommend(records, self.cfg.objective, w.n_prompt, w.n_gen)
+        if draft is None:
+            return None, None
+        with self.db.session() as s:
+            study = repo.get_study(s, self.name)
+            rec = repo.add_recommendation(
+                s,
+                chip_id=study.chip_id,
+                model_id=study.model_id,
+                study_id=study.id,
+                objective=self.cfg.objective,
+                n_prompt=w.n_prompt,
+                n_gen=w.n_gen,
+                params=draft.params.to_dict(),
+                expected_tps=draft.expected_tps,
+                interval_low=draft.interval_low,
+                interval_high=draft.interval_high,
+                expected_pp_tps=draft.expected_pp_tps,
+                expected_tg_tps=draft.expected_tg_tps,
+                baseline_tps=draft.baseline_tps,
+                improvement=draft.improvement,
+                evidence=draft.evidence,
+                simulated=draft.simulated,
+            )
+            version = rec.version
+        return draft, version
+
+    def _emit(self, phase, done, total, inflight, failed=0, last=None) -> None:
+        best_value = best_params = None
+        if phase == "search":
+            try:
+                best = self.optuna_study.best_trial
+                best_value = best.value
+                best_params = replace(self.space.suggest(optuna.trial.FixedTrial(best.params)))
+            except ValueError:
+                pass
+        running = [v[-1] if isinstance(v, tuple) else v for v in inflight.values()]
+        self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
+
+
+def seed_scan_length(space: SearchSpace) -> int:
+    return SeedScanSampler(space).plan_length()

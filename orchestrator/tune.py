@@ -1,0 +1,87 @@
+"""The `tune` flow: join (or start) Ray, find the chip's bench nodes, record them, run the study."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator import dispatch
+from orchestrator.db import Database, repo
+from orchestrator.studies import ChipTarget, Progress, StudyConfig, StudyOutcome, StudyRunner
+from workers.agent import NodeInfo
+from workers.errors import BadInput
+from workers.hardware import Fingerprint, fingerprint_live
+
+
+def record_nodes(db: Database, infos: list[NodeInfo]) -> dict[str, int]:
+    """Store each node with its fingerprint; returns ray node id -> nodes.id."""
+    ids = {}
+    with db.session() as s:
+        for info in infos:
+            node = repo.upsert_node(
+                s,
+                ray_node_id=info.ray_node_id,
+                hostname=info.hostname,
+                fingerprint=Fingerprint.from_dict(info.fingerprint),
+                llama_build=info.llama_build,
+                simulated=info.simulated,
+            )
+            ids[info.ray_node_id] = node.id
+    return ids
+
+
+def choose_chip(infos: list[NodeInfo], chip_key: str | None) -> tuple[Fingerprint, list[NodeInfo]]:
+    """The chip the study runs on: the one asked for, or the only one in the cluster."""
+    by_chip: dict[str, list[NodeInfo]] = {}
+    for info in infos:
+        by_chip.setdefault(info.fingerprint.get("chip_key") or "?", []).append(info)
+    if chip_key:
+        if chip_key not in by_chip:
+            present = ", ".join(sorted(by_chip)) or "none"
+            raise BadInput(f"unknown chip {chip_key!r}: no bench node has it (present: {present})")
+        chosen = by_chip[chip_key]
+    elif len(by_chip) == 1:
+        chosen = next(iter(by_chip.values()))
+    elif not by_chip:
+        raise BadInput("no bench node in the Ray cluster (start one with `fleettune worker start`)")
+    else:
+        raise BadInput(f"several chips in the cluster ({', '.join(sorted(by_chip))}); pass --chip")
+    return Fingerprint.from_dict(chosen[0].fingerprint), chosen
+
+
+def tune(
+    db: Database,
+    cfg: StudyConfig,
+    *,
+    address: str | None = None,
+    chip_key: str | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    on_ready: Callable[[StudyRunner], None] | None = None,
+) -> StudyOutcome:
+    """Run one study end to end; in embedded mode Ray is started here and stopped at the end."""
+    cfg.validate()
+    local_key = None if address else fingerprint_live().chip_key
+    started = dispatch.connect(address, local_chip_key=local_key)
+    try:
+        nodes = dispatch.bench_nodes(chip_key)
+        if not nodes and chip_key:
+            raise BadInput(f"unknown chip {chip_key!r}: no bench node has it")
+        infos = dispatch.describe_nodes(nodes)
+        fingerprint, chosen = choose_chip(infos, chip_key)
+        target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen))
+        key = target.key
+        runner = StudyRunner(
+            db,
+            dispatch.Dispatcher(),
+            cfg,
+            target,
+            alive_nodes=lambda: len(dispatch.bench_nodes(key)),
+            on_progress=on_progress,
+        )
+        runner.prepare()  # validates before it writes anything
+        target.node_ids.update(record_nodes(db, chosen))
+        if on_ready:
+            on_ready(runner)
+        return runner.run()
+    finally:
+        if started:
+            dispatch.shutdown()

@@ -1,0 +1,1 @@
+"""Code that runs on every node: fingerprint, measure, simulate. Never touches the database."""

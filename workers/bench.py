@@ -1,0 +1,367 @@
+"""Measure one configuration the way llama.cpp's llama-bench does.
+
+The measurement runs in a fresh subprocess with a timeout (``measure``), so a crash, an OOM kill,
+a hang or a corrupt model becomes a failed trial with its reason and the calling worker lives on.
+
+Method (llama-bench's ``test_prompt``/``test_gen``): the model is loaded once with the trial's
+parameters; each test gets its own context of its token count and a polling threadpool (as
+llama-bench builds them); one warm-up of each test; then ``reps``
+repetitions of pp (n_prompt random tokens decoded in n_batch chunks) and tg (n_gen single-token
+decodes), the memory cleared before each, ``llama_synchronize`` before the clock stops. No
+sampling, no EOS, no logits beyond the last token of a batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from workers.errors import BadInput
+from workers.hardware import Fingerprint
+from workers.models import ModelInfo
+from workers.trial import BenchParams, Sample, TrialResult, TrialSpec, Workload
+
+MAX_BATCH = 1 << 16
+
+
+def validate_params(params: BenchParams, fp: Fingerprint, model: ModelInfo | None) -> None:
+    """Reject what this node's llama.cpp cannot do, instead of letting it silently ignore it."""
+    if params.n_gpu_layers < 0:
+        raise BadInput(f"ngl {params.n_gpu_layers}: must be >= 0")
+    if params.n_gpu_layers > 0 and not fp.gpu_offload:
+        raise BadInput(
+            f"ngl {params.n_gpu_layers}: this node's llama.cpp has no GPU offload ({fp.backend}); use --ngl 0"
+        )
+    if model is not None and params.n_gpu_layers > model.n_layer + 1:
+        raise BadInput(
+            f"ngl {params.n_gpu_layers}: {model.name} has {model.n_layer} layers; "
+            f"use 0..{model.n_layer + 1} ({model.n_layer + 1} offloads everything)"
+        )
+    cores = fp.logical_cores or os.cpu_count() or 1
+    for name, value in (("threads", params.n_threads), ("threads-batch", params.threads_batch)):
+        if not 1 <= value <= cores:
+            raise BadInput(f"{name} {value}: must be 1..{cores} (logical cores of this node)")
+    if not 1 <= params.n_batch <= MAX_BATCH:
+        raise BadInput(f"batch {params.n_batch}: must be 1..{MAX_BATCH}")
+    if not 1 <= params.n_ubatch <= params.n_batch:
+        raise BadInput(f"ubatch {params.n_ubatch}: must be 1..batch ({params.n_batch})")
+
+
+def validate_workload(workload: Workload, model: ModelInfo | None) -> None:
+    if workload.n_prompt < 0 or workload.n_gen < 0 or workload.n_prompt + workload.n_gen == 0:
+        raise BadInput("prompt and gen tokens must be >= 0 and not both 0")
+    if workload.reps < 1:
+        raise BadInput(f"repetitions {workload.reps}: must be >= 1")
+    if model and model.context_length and workload.n_prompt + workload.n_gen > model.context_length:
+        raise BadInput(
+            f"{workload.n_prompt}+{workload.n_gen} tokens exceed {model.name}'s context "
+            f"({model.context_length})"
+        )
+
+
+# ---------------------------------------------------------------- thermal state
+
+
+def thermal_state() -> str | None:
+    """The OS's own word on heat: macOS NSProcessInfo.thermalState, Linux thermal zones."""
+    if platform.system() == "Darwin":
+        return _macos_thermal_state()
+    temps = []
+    for zone in Path("/sys/class/thermal").glob("thermal_zone*/temp"):
+        try:
+            temps.append(int(zone.read_text()) / 1000)
+        except (OSError, ValueError):
+            continue
+    return f"{max(temps):.0f}C" if temps else None
+
+
+def _macos_thermal_state() -> str | None:
+    try:
+        objc = ctypes.cdll.LoadLibrary("/usr/lib/libobjc.A.dylib")
+        ctypes.cdll.LoadLibrary("/System/Library/Frameworks/Foundation.framework/Foundation")
+        objc.objc_getClass.restype = ctypes.c_void_p
+        objc.sel_registerName.restype = ctypes.c_void_p
+        objc.objc_msgSend.restype = ctypes.c_void_p
+        objc.objc_msgSend.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        info = objc.objc_msgSend(
+            objc.objc_getClass(b"NSProcessInfo"), objc.sel_registerName(b"processInfo")
+        )
+        state = objc.objc_msgSend(info, objc.sel_registerName(b"thermalState"))
+    except (OSError, AttributeError):
+        return None
+    return ("nominal", "fair", "serious", "critical")[int(state or 0) % 4]
+
+
+# ---------------------------------------------------------------- the measuring subprocess
+
+
+GGML_MAX_N_THREADS = 512
+POLL_LEVEL = 50  # llama-bench's default --poll
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    """ggml.h's ``struct ggml_threadpool_params`` (not bound by llama-cpp-python)."""
+
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS),
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+class _Llama:
+    """The handful of llama.cpp calls a measurement needs (llama-cpp-python's low-level API)."""
+
+    def __init__(self) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        if not os.environ.get("FLEETTUNE_LLAMA_LOG"):
+            llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+
+    def load(self, path: str, params: BenchParams):
+        lib = self.lib
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = params.n_gpu_layers
+        model = lib.llama_model_load_from_file(path.encode(), mparams)
+        if not model:
+            raise RuntimeError("llama.cpp could not load the model")
+        return model
+
+    def context(self, model, params: BenchParams, n_ctx: int):
+        lib = self.lib
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = params.n_batch
+        cparams.n_ubatch = params.n_ubatch
+        cparams.n_threads = params.n_threads
+        cparams.n_threads_batch = params.threads_batch
+        cparams.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context (batch too large for memory?)")
+        self._attach_threadpools(ctx, params.n_threads, params.threads_batch)
+        return ctx
+
+    def _attach_threadpools(self, ctx, n_threads: int, n_threads_batch: int) -> None:
+        """Run CPU work on a polling threadpool, as llama-bench (and llama-cli) do.
+
+        Without one, ggml starts its threads per graph, which costs a small model up to ~15 %
+        at 2 threads. llama-cpp-python does not bind these calls, so they go through ctypes.
+        """
+        lib_dir = Path(self.lib.__file__).parent / "lib"
+        candidates = sorted(lib_dir.glob("libggml-cpu.*")) + sorted(lib_dir.glob("ggml-cpu.*"))
+        if not candidates:
+            return
+        ggml_cpu = ctypes.CDLL(str(candidates[0]))
+        llama = self.lib.llama_cpp._lib
+        ggml_cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+        ggml_cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+        llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        llama.llama_attach_threadpool.restype = None
+
+        def new_pool(threads: int):
+            tpp = _ThreadpoolParams()
+            tpp.n_threads, tpp.prio, tpp.poll = threads, 0, POLL_LEVEL
+            return ggml_cpu.ggml_threadpool_new(ctypes.byref(tpp))
+
+        self._pools = [new_pool(n_threads)]
+        if n_threads_batch != n_threads:
+            self._pools.append(new_pool(n_threads_batch))
+        if all(self._pools):
+            llama.llama_attach_threadpool(ctx, self._pools[0], self._pools[-1])
+
+
+def _run_child(spec: TrialSpec) -> TrialResult:
+    """Inside the subprocess: load, warm up, time every repetition."""
+    started = time.time()
+    params, workload = spec.params, spec.workload
+    thermal_before = thermal_state()
+    llama = _Llama()
+    lib = llama.lib
+    t0 = time.perf_counter()  # from here on: llama.cpp load + decode (measure_s)
+    model = llama.load(spec.model_path, params)
+    load_s = time.perf_counter() - t0
+    vocab = lib.llama_model_get_vocab(model)
+    n_vocab = lib.llama_vocab_n_tokens(vocab)
+    bos = lib.llama_vocab_bos(vocab)
+    add_bos = bool(lib.llama_vocab_get_add_bos(vocab))
+    rng = random.Random(workload.seed)
+    tokens = (lib.llama_token * max(params.n_batch, 1))()
+
+    def decode(ctx, n_tokens: int) -> None:
+        status = lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, n_tokens))
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+
+    def test_prompt(ctx, n_prompt: int) -> None:
+        done = 0
+        while done < n_prompt:
+            n_tokens = min(n_prompt - done, params.n_batch)
+            for i in range(n_tokens):
+                tokens[i] = rng.randrange(n_vocab)
+            if done == 0 and add_bos:
+                tokens[0] = bos
+            decode(ctx, n_tokens)
+            done += n_tokens
+        lib.llama_synchronize(ctx)
+
+    def test_gen(ctx, n_gen: int) -> None:
+        tokens[0] = bos if add_bos else rng.randrange(n_vocab)
+        for _ in range(n_gen):
+            decode(ctx, 1)
+            lib.llama_synchronize(ctx)
+            tokens[0] = rng.randrange(n_vocab)
+
+    tests = [("pp", workload.n_prompt, test_prompt), ("tg", workload.n_gen, test_gen)]
+    samples: list[Sample] = []
+    for kind, n_tokens, run in tests:
+        if n_tokens <= 0:
+            continue
+        t_ctx = time.perf_counter()
+        ctx = llama.context(model, params, n_tokens)  # as llama-bench: one context per test
+        load_s += time.perf_counter() - t_ctx
+        memory = lib.llama_get_memory(ctx)
+        if workload.warmup:
+            lib.llama_memory_clear(memory, True)
+            run(ctx, n_tokens if kind == "pp" else 1)
+        for rep in range(workload.reps):
+            lib.llama_memory_clear(memory, True)
+            start = time.perf_counter_ns()
+            run(ctx, n_tokens)
+            samples.append(Sample(kind, rep, n_tokens, (time.perf_counter_ns() - start) / 1e9))
+        lib.llama_free(ctx)
+    measure_s = time.perf_counter() - t0
+    lib.llama_model_free(model)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if platform.system() == "Darwin" else rss * 1024
+    return TrialResult(
+        trial_key=spec.trial_key,
+        ok=True,
+        samples=samples,
+        load_s=load_s,
+        peak_rss_bytes=rss_bytes,
+        thermal_before=thermal_before,
+        thermal_after=thermal_state(),
+        started_at=started,
+        finished_at=time.time(),
+        measure_s=measure_s,
+        backend_info=llama_build_info(),
+    )
+
+
+def llama_build_info() -> str:
+    """llama-cpp-python version and the compiled llama.cpp features, e.g. "0.3.36 CPU: AVX2=1..."."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return "llama-cpp-python not installed"
+    info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    return f"llama-cpp-python {llama_cpp.__version__}; {info}"
+
+
+def _spec_from_json(text: str) -> TrialSpec:
+    data = json.loads(text)
+    return TrialSpec(
+        model_path=data["model_path"],
+        model_sha256=data["model_sha256"],
+        params=BenchParams.from_dict(data["params"]),
+        workload=Workload(**data["workload"]),
+        timeout_s=data["timeout_s"],
+        cooldown_s=data["cooldown_s"],
+        trial_key=data["trial_key"],
+    )
+
+
+def _child_main(spec_path: str, result_path: str) -> int:
+    spec = _spec_from_json(Path(spec_path).read_text())
+    try:
+        result = _run_child(spec)
+    except Exception as exc:  # reported to the parent as the trial's reason
+        result = TrialResult.failure(spec.trial_key, str(exc))
+    Path(result_path).write_text(json.dumps(result.to_dict()))
+    return 0
+
+
+# ---------------------------------------------------------------- the parent side
+
+
+def _describe_exit(returncode: int, stderr: str) -> str:
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
+        if sig == "SIGKILL":
+            return "killed by SIGKILL (out of memory?)"
+        return f"llama.cpp crashed ({sig})"
+    tail = [line for line in stderr.strip().splitlines() if line.strip()]
+    return f"measuring process exited with {returncode}" + (f": {tail[-1]}" if tail else "")
+
+
+def measure(spec: TrialSpec) -> TrialResult:
+    """Run one trial in a fresh subprocess; any failure comes back as ``ok=False`` with a reason."""
+    if not Path(spec.model_path).is_file():
+        return TrialResult.failure(spec.trial_key, f"model not on node: {spec.model_path}")
+    with tempfile.TemporaryDirectory(prefix="fleettune-trial-") as tmp:
+        spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
+        spec_path.write_text(json.dumps({**asdict(spec)}))
+        argv = [sys.executable, "-m", "workers.bench", str(spec_path), str(result_path)]
+        started = time.time()
+        with tempfile.TemporaryFile(mode="w+") as err:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=spec.timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return TrialResult.failure(
+                    spec.trial_key, f"timed out after {spec.timeout_s:g}s", started_at=started,
+                    finished_at=time.time(),
+                )
+            err.seek(0)
+            stderr = err.read()
+        if returncode != 0 or not result_path.is_file():
+            return TrialResult.failure(
+                spec.trial_key, _describe_exit(returncode, stderr), started_at=started,
+                finished_at=time.time(),
+            )
+        return TrialResult.from_dict(json.loads(result_path.read_text()))
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+
+
+def bench_local(
+    model: ModelInfo, params: BenchParams, workload: Workload, timeout_s: float
+) -> tuple[Fingerprint, TrialResult]:
+    """Validate against this machine and measure here (what ``fleettune bench`` does)."""
+    from workers.hardware import fingerprint_live
+
+    fp = fingerprint_live()
+    validate_params(params, fp, model)
+    validate_workload(workload, model)
+    spec = TrialSpec(model.path, model.sha256, params, workload, timeout_s=timeout_s, trial_key="bench")
+    return fp, measure(spec)
+
+
+def default_threads(fp: Fingerprint) -> int:
+    """llama-bench's default thread count: the physical (performance) cores."""
+    return fp.p_cores or fp.logical_cores or os.cpu_count() or 1
