@@ -153,6 +153,28 @@ def model_list(db_url: str | None, fmt: str) -> None:
     click.echo(render([_model_row(i) for i in registry.list_all(_open_db(db_url))], MODEL_COLUMNS, fmt))
 
 
+@model.command("push")
+@click.argument("model_ref", metavar="MODEL")
+@click.option("--chip", "chip_key", help="Only nodes of this chip.")
+@click.option("--address", help="Ray cluster address (default: the local head).")
+@db_option
+@output_options()
+def model_push(model_ref, chip_key, address, db_url, fmt) -> None:
+    """Copy a model to the nodes that lack it (same path as here), sha256-checked."""
+    from orchestrator import dispatch, registry
+
+    info = registry.resolve(_open_db(db_url), model_ref)
+    started = dispatch.connect(address or "auto")
+    try:
+        nodes = [n for n in dispatch.bench_nodes(chip_key) if "fleettune.io/simulate" not in n.labels]
+        outcome = dispatch.push_model(info.path, info.sha256, nodes)
+    finally:
+        if started:
+            dispatch.shutdown()
+    rows = [{"node": node_id[:12], "result": result} for node_id, result in outcome.items()]
+    click.echo(render(rows, [Column("node", "node"), Column("result", "result")], fmt))
+
+
 # ---------------------------------------------------------------- bench
 
 
@@ -248,6 +270,7 @@ def _progress_printer(console):
 @click.option("--study", "study_name", help="Study name (default: chip/model/workload).")
 @click.option("--resume", is_flag=True, help="Continue the study instead of starting a new one.")
 @click.option("--chip", "chip_key", help="Chip key to tune (needed when the cluster has several).")
+@click.option("--all-chips", is_flag=True, help="One study per chip in the cluster, all at once.")
 @click.option("--address", help="Ray cluster address HOST:PORT (default: embedded Ray on this machine).")
 @click.option("--seed", type=int, help="Sampler seed, for reproducible proposals.")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds before one trial is killed.")
@@ -257,13 +280,14 @@ def _progress_printer(console):
 @db_option
 @output_options()
 def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler, study_name, resume,
-         chip_key, address, seed, timeout, cooldown, confirm_top, quiet, db_url, fmt) -> None:
+         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from rich.console import Console
 
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
     from orchestrator.tune import tune as run_tune
+    from orchestrator.tune import tune_all_chips
     from workers.trial import Workload
 
     db = _open_db(db_url)
@@ -276,6 +300,15 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
     )
     cfg.validate()
     console = Console(stderr=True)
+    if all_chips:
+        def report(chip, p):
+            if not quiet and p.last is not None and p.phase == "search":
+                console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}")
+
+        outcomes = tune_all_chips(db, cfg, address=address, on_progress=report)
+        rows = [_outcome_record(o, cfg) for o in outcomes]
+        click.echo(render(rows, ALL_CHIPS_COLUMNS, fmt))
+        return
     if quiet or fmt != "table":
         outcome = run_tune(db, cfg, address=address, chip_key=chip_key)
     else:
@@ -287,6 +320,15 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
                                                  f"({db.display_url})"),
             )
     click.echo(render_record(_outcome_record(outcome, cfg), fmt))
+
+
+ALL_CHIPS_COLUMNS = [
+    Column("study", "study"),
+    Column("trials_complete", "trials", justify="right"),
+    Column("llama_cpp_flags", "best config"),
+    Column("expected", "t/s", ".1f", "right"),
+    Column("improvement", "vs default", justify="right"),
+]
 
 
 def _outcome_record(outcome, cfg) -> dict:
@@ -304,6 +346,7 @@ def _outcome_record(outcome, cfg) -> dict:
             "llama_cpp_flags": rec.params.llama_cpp_flags(),
             "llama_cpp_python": rec.params.llama_cpp_python_kwargs(),
             f"expected_{cfg.objective}_tps": round(rec.expected_tps, 3),
+            "expected": rec.expected_tps,
             "interval": [round(rec.interval_low, 3), round(rec.interval_high, 3)],
             "pp_tps": round(rec.expected_pp_tps, 3) if rec.expected_pp_tps else None,
             "tg_tps": round(rec.expected_tg_tps, 3) if rec.expected_tg_tps else None,
@@ -375,6 +418,203 @@ def best(model_ref, chip, objective, db_url, fmt) -> None:
         for row in rows:
             click.echo(f"\n{row['chip']} ({row['objective']}): llama_cpp.Llama(model_path, "
                        + ", ".join(f"{k}={v!r}" for k, v in row["llama_cpp_python"].items()) + ")")
+
+
+# ---------------------------------------------------------------- fleet: head, workers
+
+
+@main.group()
+def head() -> None:
+    """The head node: Ray head (token auth) and the results database."""
+
+
+@head.command("start")
+@click.option("--port", default=6379, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address Ray binds to (loopback by default; name the LAN address for a fleet).")
+@click.option("--dashboard", is_flag=True, help="Start Ray's dashboard too.")
+@db_option
+def head_start(port: int, host: str, dashboard: bool, db_url: str | None) -> None:
+    """Start the Ray head with a new token; prints what workers need to join."""
+    from orchestrator import fleet
+
+    db = _open_db(db_url)
+    address, token = fleet.head_start(port, host, dashboard)
+    click.echo(f"head: {address}  (results: {db.display_url})")
+    click.echo(f"token saved in {fleet.token_path()} (mode 0600)")
+    click.echo(f"on every Mac: fleettune worker start --address {address} --token {token}")
+
+
+@main.group()
+def worker() -> None:
+    """This node as a fleet worker."""
+
+
+@worker.command("start")
+@click.option("--address", required=True, help="The head, HOST:PORT.")
+@click.option("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
+@click.option("--simulate", "simulate", metavar="CHIP",
+              help='Join as a simulated Mac, e.g. "M2 Ultra/76" or "M2 Ultra/76/192".')
+@click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
+              show_default=True, help="Simulated nodes only.")
+@click.option("--time-scale", default=0.0, show_default=True,
+              help="Simulated nodes: real seconds slept per simulated second.")
+@output_options()
+def worker_start(address, token, simulate, scenario, time_scale, fmt) -> None:
+    """Fingerprint this node and join the head's Ray cluster with one bench slot."""
+    from orchestrator.dispatch import _check_reachable
+    from workers import join
+
+    plan = join.plan_join(simulate, scenario, time_scale)
+    _check_reachable(address)
+    join.worker_start(address, token, plan)
+    click.echo(render_record({"joined": address, **plan.labels, "simulated": plan.simulated}, fmt))
+
+
+@worker.command("stop")
+def worker_stop() -> None:
+    """Stop every Ray process of this machine (its worker, or a head started here)."""
+    from workers import join
+
+    join.worker_stop()
+    click.echo("stopped")
+
+
+@main.group()
+def fleet() -> None:
+    """The fleet: nodes, their state and history; a simulated fleet for demos."""
+
+
+STATUS_COLUMNS = [
+    Column("hostname", "host"),
+    Column("chip", "chip"),
+    Column("state", "state"),
+    Column("trials_done", "trials", justify="right"),
+    Column("last_seen", "last seen"),
+    Column("flag", "flag"),
+]
+
+
+@fleet.command("status")
+@click.option("--address", help="Ray cluster address (default: the local head).")
+@db_option
+@output_options()
+def fleet_status(address, db_url, fmt) -> None:
+    """Nodes: chip, state (idle/busy/dead), trials done, last seen, slow-node flags."""
+    from orchestrator import dispatch, fleet
+
+    db = _open_db(db_url)
+    started = dispatch.connect(address or "auto")
+    try:
+        rows = []
+        for n in fleet.fleet_status(db):
+            row = dict(n.__dict__)
+            row["last_seen"] = n.last_seen.strftime("%Y-%m-%d %H:%M") if n.last_seen else None
+            row["flag"] = f"slow {n.slow_by:.0%}" if n.slow_by else ("sim" if n.simulated else "")
+            rows.append(row)
+    finally:
+        if started:
+            dispatch.shutdown()
+    click.echo(render(rows, STATUS_COLUMNS, fmt))
+
+
+@fleet.command("simulate")
+@click.option("--mix", required=True, help='e.g. "M1 Pro/16:4,M2 Ultra/76:8,M4 Max/40:4" (chip:count).')
+@click.option("--address", help="Join an existing head instead of starting one here.")
+@click.option("--port", default=6379, show_default=True)
+@click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated", show_default=True)
+@click.option("--time-scale", default=0.0, show_default=True,
+              help="Real seconds slept per simulated second of benchmarking.")
+@output_options()
+def fleet_simulate(mix, address, port, scenario, time_scale, fmt) -> None:
+    """Start a local cluster of simulated Macs (a head plus one Ray worker per node)."""
+    from orchestrator import fleet
+
+    address, token, nodes = fleet.simulate(mix, address, port, scenario, time_scale)
+    click.echo(render(nodes, [Column("chip", "chip"), Column("count", "nodes", justify="right")], fmt))
+    click.echo(f"cluster: {address}; tune with: fleettune tune sim://llama3-8b/q4_k_m --all-chips "
+               f"--address {address}", err=True)
+    if token:
+        click.echo(f"token: {fleet.token_path()}", err=True)
+
+
+# ---------------------------------------------------------------- sim
+
+
+@main.group()
+def sim() -> None:
+    """The calibrated Apple Silicon performance model (simulated, never mixed with real data)."""
+
+
+def sim_options(func):
+    for option in reversed([
+        click.option("--chip", "chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
+        click.option("--model-shape", required=True, help="llama2-7b | llama3-8b | llama2-13b | PATH.gguf"),
+        click.option("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape."),
+        click.option("-p", "--prompt-tokens", default=512, show_default=True),
+        click.option("-n", "--gen-tokens", default=128, show_default=True),
+        click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
+                     show_default=True),
+    ]):
+        func = option(func)
+    return func
+
+
+def _sim_target(chip_text: str, model_shape: str, quant: str):
+    from workers import simulated
+
+    chip = simulated.parse_chip(chip_text)
+    if model_shape.endswith(".gguf"):
+        shape = simulated.shape_from_gguf(model_shape)
+    else:
+        shape = simulated.model_shape(model_shape, quant)
+    return chip, shape
+
+
+@sim.command("predict")
+@sim_options
+@click.option("--ngl", "-ngl", default=99, show_default=True, help="GPU layers (beyond the model: all).")
+@click.option("-t", "--threads", default=8, show_default=True)
+@click.option("-b", "--batch", default=512, show_default=True)
+@click.option("--ub", "-ub", "ubatch", type=int, help="Physical batch (default: min(512, batch)).")
+@output_options()
+def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenario, ngl, threads, batch,
+                ubatch, fmt) -> None:
+    """Noiseless pp and tg tokens/s of one configuration on a chip bin."""
+    from workers import simulated
+    from workers.trial import BenchParams
+
+    chip, shape = _sim_target(chip_text, model_shape, quant)
+    params = BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch,
+                         n_ubatch=ubatch or min(512, batch))
+    pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario)
+    record = {
+        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.name} {shape.quant}",
+        "scenario": scenario, "flags": params.llama_cpp_flags(),
+        f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
+        "fits": pred.fits, "reason": pred.reason, "simulated": True,
+    }
+    click.echo(render_record(record, fmt))
+
+
+@sim.command("optimum")
+@sim_options
+@click.option("--objective", type=click.Choice(["tg", "pp", "e2e"]), default="tg", show_default=True)
+@output_options()
+def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenario, objective, fmt) -> None:
+    """The exhaustive-grid optimum (ngl x threads x batch) of the noiseless model."""
+    from workers import simulated
+
+    chip, shape = _sim_target(chip_text, model_shape, quant)
+    params, pred, value = simulated.optimum(chip, shape, objective, prompt_tokens, gen_tokens, scenario)
+    record = {
+        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.name} {shape.quant}",
+        "scenario": scenario, "objective": objective, "flags": params.llama_cpp_flags(),
+        "value": round(value, 3), "unit": "s" if objective == "e2e" else "tok/s",
+        f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
+        "simulated": True,
+    }
+    click.echo(render_record(record, fmt))
 
 
 # ---------------------------------------------------------------- db

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from workers import agent
 from workers.agent import NodeInfo
 from workers.errors import BadInput
+from workers.join import BENCH_RESOURCE, CHIP_LABEL
 from workers.trial import TrialResult, TrialSpec
 
-BENCH_RESOURCE = "fleettune_bench"
-CHIP_LABEL = "fleettune.io/chip"
+__all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "connect"]
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -131,15 +131,21 @@ class Dispatcher:
         self._ray = ray
         self._task = ray.remote(agent.run_trial)
 
-    def submit(self, spec: TrialSpec, chip_key: str | None):
+    def submit(self, spec: TrialSpec, chip_key: str | None, node_id: str | None = None):
+        """Run a trial on a node of ``chip_key`` (or on exactly ``node_id``), holding its slot."""
         options: dict = {
             "num_cpus": 0,
             "resources": {BENCH_RESOURCE: 1},
             "max_retries": 0,
             "retry_exceptions": False,
+            "name": f"fleettune-trial {spec.trial_key}",
         }
         if chip_key:
             options["label_selector"] = {CHIP_LABEL: chip_key}
+        if node_id:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return self._task.options(**options).remote(spec)
 
     def wait(self, refs: list, timeout_s: float) -> list:
@@ -171,3 +177,33 @@ class Dispatcher:
 
     def cancel(self, ref) -> None:
         self._ray.cancel(ref, force=True)
+
+
+PUSH_CHUNK = 64 << 20
+
+
+def push_model(path: str, sha256: str, nodes: list[BenchNode]) -> dict[str, str]:
+    """Copy a model to every node that lacks it, sha256-checked; returns node id -> outcome."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def on(node: BenchNode, func):
+        return ray.remote(func).options(
+            num_cpus=0, max_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_node_id, soft=False),
+        )
+
+    outcome = {}
+    for node in nodes:
+        status = ray.get(on(node, agent.model_status).remote(path, sha256))
+        if status == "present":
+            outcome[node.ray_node_id] = "present"
+            continue
+        with open(path, "rb") as handle:
+            offset = 0
+            while chunk := handle.read(PUSH_CHUNK):
+                ray.get(on(node, agent.write_model_chunk).remote(path, offset, chunk))
+                offset += len(chunk)
+        ok = ray.get(on(node, agent.finish_model).remote(path, sha256))
+        outcome[node.ray_node_id] = "copied" if ok else "failed: sha256 mismatch"
+    return outcome

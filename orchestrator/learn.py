@@ -66,7 +66,8 @@ def _rates(samples, kind: str) -> list[float]:
     return [s.tokens_per_s for s in samples if s.kind == kind]
 
 
-def _key(params: BenchParams) -> str:
+def config_key(params: BenchParams) -> str:
+    """One string per distinct configuration, for grouping trials."""
     return json.dumps(params.to_dict(), sort_keys=True)
 
 
@@ -83,7 +84,7 @@ def recommend(
         raise FleettuneError("refusing to learn from simulated and real measurements together")
     by_config: dict[str, list[TrialRecord]] = {}
     for record in records:
-        by_config.setdefault(_key(record.params), []).append(record)
+        by_config.setdefault(config_key(record.params), []).append(record)
     confirmed = [rs for rs in by_config.values() if any(r.phase == "confirm" for r in rs)]
     candidates = confirmed or list(by_config.values())
 
@@ -126,7 +127,7 @@ def recommend(
         return None
     best, group = max(scored, key=lambda item: item[0]["value"])
     baseline_group = [r for r in records if r.phase == "baseline"]
-    baseline_key = _key(baseline_group[0].params) if baseline_group else None
+    baseline_key = config_key(baseline_group[0].params) if baseline_group else None
     baseline = summary(by_config[baseline_key]) if baseline_key else None
     baseline_tps = baseline["value"] if baseline else None
     return RecommendationDraft(
@@ -153,7 +154,7 @@ def top_configs(records: list[TrialRecord], values: dict[int, float], objective:
     )
     seen, out = set(), []
     for record in ranked:
-        key = _key(record.params)
+        key = config_key(record.params)
         if key not in seen:
             seen.add(key)
             out.append(record.params)

@@ -12,14 +12,18 @@ from orchestrator.db import Database, repo
 from orchestrator.db.session import data_dir
 from workers.errors import BadInput
 from workers.models import KNOWN_MODELS, ModelInfo, fetch_known_model, read_model_info
+from workers.simulated import is_sim_model, sim_model_info
 
 
 def models_dir() -> Path:
     return data_dir() / "models"
 
 
-def register(db: Database, path: str | os.PathLike) -> ModelInfo:
-    """Read a GGUF file (hashing it only when it changed since last time) and record it."""
+def register(db: Database, path: str | os.PathLike, *, write: bool = True) -> ModelInfo:
+    """Read a GGUF file (hashing it only when it changed since last time) and record it.
+
+    With ``write=False`` nothing is stored (the study that uses the model records it later).
+    """
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise BadInput(f"{path}: no such model file")
@@ -30,24 +34,32 @@ def register(db: Database, path: str | os.PathLike) -> ModelInfo:
             info = repo.model_info_of(known)
             return ModelInfo(**{**info.to_dict(), "path": str(file)})
     info = read_model_info(file)  # raises BadInput before anything is written
-    with db.session() as s:
-        repo.upsert_model(s, info, mtime)
+    if write:
+        with db.session() as s:
+            repo.upsert_model(s, info, mtime)
     return info
 
 
 def looks_like_path(ref: str) -> bool:
+    if is_sim_model(ref):
+        return False
     return Path(ref).expanduser().exists() or ref.endswith(".gguf") or os.sep in ref
 
 
-def resolve(db: Database, ref: str) -> ModelInfo:
-    """The model ``ref`` names; a path is registered on the way."""
+def resolve(db: Database, ref: str, *, write: bool = False) -> ModelInfo:
+    """The model ``ref`` names: a path, a simulated shape (sim://NAME/QUANT), a name or a prefix.
+
+    Nothing is written unless ``write``: a command that fails later leaves the database as it was.
+    """
+    if is_sim_model(ref):
+        return sim_model_info(ref)
     if looks_like_path(ref):
-        return register(db, ref)
+        return register(db, ref, write=write)
     if ref in KNOWN_MODELS:
         path = models_dir() / Path(KNOWN_MODELS[ref].member).name
         if not path.is_file():
             raise BadInput(f"model {ref} is not here yet: run `fleettune model fetch {ref}`")
-        return register(db, path)
+        return register(db, path, write=write)
     with db.session() as s:
         matches = repo.find_models(s, ref)
         infos = [repo.model_info_of(m) for m in matches]

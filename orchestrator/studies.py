@@ -11,6 +11,7 @@ The head owns the database; workers get a ``TrialSpec`` and return a ``TrialResu
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from workers.trial import BenchParams, TrialResult, TrialSpec, Workload
 
 POLL_S = 0.5
 NO_NODE_GRACE_S = 30.0
+ORPHANED = "orphaned: the driver stopped"
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)
@@ -110,6 +112,13 @@ class StudyOutcome:
     baseline_params: BenchParams
 
 
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
 def default_study_name(chip_key: str, model: ModelInfo, objective: str, workload: Workload) -> str:
     return f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}"
 
@@ -123,7 +132,7 @@ class StudyRunner:
         dispatcher: Dispatcher,
         cfg: StudyConfig,
         target: ChipTarget,
-        alive_nodes: Callable[[], int],
+        alive_nodes: Callable[[], list[str]],
         on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         self.db, self.dispatcher, self.cfg, self.target = db, dispatcher, cfg, target
@@ -135,6 +144,7 @@ class StudyRunner:
         self.name = ""
         self.space: SearchSpace | None = None
         self.budget = cfg.n_trials
+        self.no_node_grace_s = NO_NODE_GRACE_S
 
     # ---------------------------------------------------------------- setup
 
@@ -146,7 +156,7 @@ class StudyRunner:
         space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt)
         with self.db.session() as s:
             chip = repo.upsert_chip(s, fp)  # rolled back with the rest if a check below fails
-            model = repo.upsert_model(s, cfg.model)
+            model = repo.upsert_model(s, cfg.model, _mtime(cfg.model.path))
             existing = None
             if cfg.name:
                 existing = repo.get_study(s, cfg.name)
@@ -164,7 +174,7 @@ class StudyRunner:
                 self.space = SearchSpace.from_dict(existing.space)
                 self.budget = max(cfg.n_trials, 1)
                 existing.budget = self.budget
-                orphans = repo.fail_running_trials(s, existing.id, "orphaned: the driver stopped")
+                repo.fail_running_trials(s, existing.id, ORPHANED)
                 repo.set_study_state(s, existing.id, "running")
             else:
                 self.name = cfg.name or self._free_name(s)
@@ -186,10 +196,8 @@ class StudyRunner:
                     simulated=self.target.simulated,
                 )
                 self.study_id = study.id
-                orphans = []
         self.optuna_study = self._optuna_study()
-        for number in orphans:
-            self._fail_optuna_trial(number)
+        self._reconcile_optuna()
 
     def _check_same(self, study, chip, model) -> None:
         cfg = self.cfg
@@ -226,10 +234,24 @@ class StudyRunner:
             load_if_exists=True,
         )
 
-    def _fail_optuna_trial(self, number: int) -> None:
-        for t in self.optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t.number == number:
-                self.optuna_study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    def _reconcile_optuna(self) -> None:
+        """Settle Optuna trials a stopped driver left RUNNING, from what the database recorded.
+
+        A result stored before the driver died is told to Optuna (kept once, not measured again);
+        a trial with no stored result is failed.
+        """
+        running = self.optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if not running:
+            return
+        with self.db.session() as s:
+            stored = {r.optuna_number: r for r in repo.study_trials(s, self.study_id, "search")}
+        storage = self.optuna_study._storage
+        for t in running:
+            row = stored.get(t.number)
+            if row is not None and row.state == "complete" and row.objective_value is not None:
+                storage.set_trial_state_values(t._trial_id, TrialState.COMPLETE, [row.objective_value])
+            else:
+                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
 
     # ---------------------------------------------------------------- running
 
@@ -238,7 +260,7 @@ class StudyRunner:
             self.prepare()
         try:
             if not self._phase_trials("baseline", complete_only=True):
-                self._run_fixed("baseline", [self.baseline])
+                self._run_fixed("baseline", [(self.baseline, None)])
             self._search()
             self._confirm()
             draft, version = self._recommend()
@@ -308,40 +330,45 @@ class StudyRunner:
             done = self.dispatcher.wait(list(inflight), POLL_S)
             if done:
                 return done
-            if self.alive_nodes() > 0:
+            if self.alive_nodes():
                 no_node_since = None
                 continue
             no_node_since = no_node_since or time.monotonic()
-            if time.monotonic() - no_node_since > NO_NODE_GRACE_S:
+            if time.monotonic() - no_node_since > self.no_node_grace_s:
                 for ref in inflight:
                     self.dispatcher.cancel(ref)
                 raise StudyPaused(f"no node of chip {self.target.key} is left; study {self.name} paused")
 
-    def _run_fixed(self, phase: str, configs: list[BenchParams]) -> None:
-        """Measure fixed configurations (baseline, confirmation), in parallel over the chip's nodes."""
-        pending = list(configs)
+    def _run_fixed(self, phase: str, jobs: list[tuple[BenchParams, str | None]]) -> None:
+        """Measure fixed configurations (baseline, confirmation), in parallel over the chip's nodes.
+
+        A job pinned to a node that is gone runs on any node of the chip instead.
+        """
+        pending = list(jobs)
         inflight: dict = {}
         try:
             while pending or inflight:
-                slots = max(self.alive_nodes(), 1) - len(inflight)
+                alive = self.alive_nodes()
+                slots = max(len(alive), 1) - len(inflight)
                 while pending and slots > 0:
-                    params = pending.pop(0)
+                    params, node = pending.pop(0)
                     with self.db.session() as s:
                         row_id = repo.start_trial(
                             s, study_id=self.study_id, optuna_number=None, phase=phase,
                             params=params.to_dict(), simulated=self.target.simulated,
                         )
-                    ref = self.dispatcher.submit(self._spec(params, f"{phase}-{row_id}"), self.target.key)
-                    inflight[ref] = (row_id, params)
+                    spec = self._spec(params, f"{phase}-{row_id}")
+                    ref = self.dispatcher.submit(spec, self.target.key, node if node in alive else None)
+                    inflight[ref] = (row_id, params, node)
                     slots -= 1
-                self._emit(phase, len(configs) - len(pending) - len(inflight), len(configs), inflight)
+                self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs), inflight)
                 for ref in self._wait_for_any(inflight):
-                    row_id, params = inflight.pop(ref)
+                    row_id, params, node = inflight.pop(ref)
                     result = self.dispatcher.result(ref, f"{phase}-{row_id}")
                     self._store(row_id, result)
                     if not result.ok and result.error == "node lost":
-                        pending.append(params)  # measure it again on another node
-                    self._emit(phase, len(configs) - len(pending) - len(inflight), len(configs),
+                        pending.append((params, None))  # measure it again on another node
+                    self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs),
                                inflight, last=result)
         except BaseException:
             self._abandon(inflight, lambda item: (item[0], None))
@@ -358,7 +385,7 @@ class StudyRunner:
                 if failed >= max(5, self.budget):
                     raise StudyPaused(f"{failed} trials failed; see `fleettune results --study "
                                       f"'{self.name}' --state failed`")
-                slots = max(self.alive_nodes(), 1) - len(inflight)
+                slots = max(len(self.alive_nodes()), 1) - len(inflight)
                 while slots > 0 and complete + len(inflight) < self.budget:
                     trial = study.ask()
                     params = self.space.suggest(trial)
@@ -372,7 +399,7 @@ class StudyRunner:
                     slots -= 1
                 if not inflight:
                     return
-                self._emit("search", complete, self.budget, {r: v[1:] for r, v in inflight.items()}, failed)
+                self._emit("search", complete, self.budget, inflight, failed)
                 for ref in self._wait_for_any(inflight):
                     row_id, trial, params = inflight.pop(ref)
                     result = self.dispatcher.result(ref, f"search-{row_id}")
@@ -383,8 +410,8 @@ class StudyRunner:
                             study.enqueue_trial(self.space.optuna_params(params))
                     else:
                         study.tell(trial, value)
-                    self._emit("search", complete + (value is not None), self.budget,
-                               {r: v[1:] for r, v in inflight.items()}, failed, last=result)
+                    self._emit("search", complete + (value is not None), self.budget, inflight, failed,
+                               last=result)
         except BaseException:
             self._abandon(inflight, lambda item: (item[0], item[1]))
             raise
@@ -421,16 +448,26 @@ class StudyRunner:
         return records, values
 
     def _confirm(self) -> None:
-        """Measure the top configurations and the baseline again, in one round."""
+        """Measure the top configurations and the baseline again, in one round.
+
+        Where the chip has two or more nodes, every configuration is confirmed on two different
+        nodes (pairs rotating over the chip's nodes), so one node's quirks cannot pick the winner
+        and every node gets compared with a peer on the same configuration.
+        """
         records, values = self._records()
-        confirm_rows = self._phase_trials("confirm")
         top = learn.top_configs(records, values, self.cfg.objective, self.cfg.confirm_top)
-        confirmed = {
-            learn._key(BenchParams.from_dict(r.params)) for r in confirm_rows if r.state == "complete"
-        }
-        todo = [p for p in [*top, self.baseline] if learn._key(p) not in confirmed]
-        if todo and top:
-            self._run_fixed("confirm", todo)
+        if not top:
+            return
+        confirmed = {learn.config_key(BenchParams.from_dict(r.params))
+                     for r in self._phase_trials("confirm", complete_only=True)}
+        nodes = sorted(self.alive_nodes()) or [None]
+        configs = [p for p in [*top, self.baseline] if learn.config_key(p) not in confirmed]
+        jobs = []
+        for i, params in enumerate(configs):  # pairs rotate so every node is compared with a peer
+            pair = {nodes[i % len(nodes)], nodes[(i + 1) % len(nodes)]}
+            jobs += [(params, node) for node in sorted(pair, key=str)]
+        if jobs:
+            self._run_fixed("confirm", jobs)
 
     def _recommend(self) -> tuple[learn.RecommendationDraft | None, int | None]:
         records, _ = self._records()
@@ -471,7 +508,7 @@ class StudyRunner:
                 best_params = replace(self.space.suggest(optuna.trial.FixedTrial(best.params)))
             except ValueError:
                 pass
-        running = [v[-1] if isinstance(v, tuple) else v for v in inflight.values()]
+        running = [next(x for x in v if isinstance(x, BenchParams)) for v in inflight.values()]
         self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
 
 

@@ -10,6 +10,7 @@ from orchestrator.studies import ChipTarget, Progress, StudyConfig, StudyOutcome
 from workers.agent import NodeInfo
 from workers.errors import BadInput
 from workers.hardware import Fingerprint, fingerprint_live
+from workers.simulated import is_sim_model
 
 
 def record_nodes(db: Database, infos: list[NodeInfo]) -> dict[str, int]:
@@ -29,11 +30,25 @@ def record_nodes(db: Database, infos: list[NodeInfo]) -> dict[str, int]:
     return ids
 
 
-def choose_chip(infos: list[NodeInfo], chip_key: str | None) -> tuple[Fingerprint, list[NodeInfo]]:
-    """The chip the study runs on: the one asked for, or the only one in the cluster."""
+def nodes_by_chip(infos: list[NodeInfo], simulated_only: bool) -> dict[str, list[NodeInfo]]:
+    """Nodes grouped by chip; a simulated model (sim://) can only run on simulated nodes."""
     by_chip: dict[str, list[NodeInfo]] = {}
     for info in infos:
+        if simulated_only and not info.simulated:
+            continue
         by_chip.setdefault(info.fingerprint.get("chip_key") or "?", []).append(info)
+    return by_chip
+
+
+def choose_chip(
+    infos: list[NodeInfo], chip_key: str | None, simulated_only: bool = False
+) -> tuple[Fingerprint, list[NodeInfo]]:
+    """The chip the study runs on: the one asked for, or the only one in the cluster."""
+    by_chip = nodes_by_chip(infos, simulated_only)
+    if chip_key and simulated_only and chip_key not in by_chip and any(
+        i.fingerprint.get("chip_key") == chip_key for i in infos
+    ):
+        raise BadInput(f"a simulated model runs only on simulated nodes; {chip_key} has none")
     if chip_key:
         if chip_key not in by_chip:
             present = ", ".join(sorted(by_chip)) or "none"
@@ -46,6 +61,53 @@ def choose_chip(infos: list[NodeInfo], chip_key: str | None) -> tuple[Fingerprin
     else:
         raise BadInput(f"several chips in the cluster ({', '.join(sorted(by_chip))}); pass --chip")
     return Fingerprint.from_dict(chosen[0].fingerprint), chosen
+
+
+def _runner(db, cfg, fingerprint, chosen, on_progress) -> StudyRunner:
+    target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen))
+    key = target.key
+    return StudyRunner(
+        db,
+        dispatch.Dispatcher(),
+        cfg,
+        target,
+        alive_nodes=lambda: [n.ray_node_id for n in dispatch.bench_nodes(key)],
+        on_progress=on_progress,
+    )
+
+
+def tune_all_chips(
+    db: Database,
+    cfg: StudyConfig,
+    *,
+    address: str | None = None,
+    on_progress: Callable[[str, Progress], None] | None = None,
+) -> list[StudyOutcome]:
+    """One study per chip present in the cluster, all at once, each on its own chip's nodes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if cfg.name:
+        raise BadInput("--study names one study; with --all-chips the names are chosen per chip")
+    cfg.validate()
+    started = dispatch.connect(address, local_chip_key=None if address else fingerprint_live().chip_key)
+    try:
+        infos = dispatch.describe_nodes(dispatch.bench_nodes())
+        by_chip = nodes_by_chip(infos, is_sim_model(cfg.model.path))
+        if not by_chip:
+            raise BadInput("no bench node in the Ray cluster (start one with `fleettune worker start`)")
+        runners = []
+        for key, chosen in sorted(by_chip.items()):
+            report = (lambda p, k=key: on_progress(k, p)) if on_progress else None
+            runner = _runner(db, cfg, Fingerprint.from_dict(chosen[0].fingerprint), chosen, report)
+            runner.prepare()  # every study is validated before any of them runs
+            runners.append((runner, chosen))
+        for runner, chosen in runners:
+            runner.target.node_ids.update(record_nodes(db, chosen))
+        with ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix="study") as pool:
+            return list(pool.map(lambda rc: rc[0].run(), runners))
+    finally:
+        if started:
+            dispatch.shutdown()
 
 
 def tune(
@@ -66,19 +128,10 @@ def tune(
         if not nodes and chip_key:
             raise BadInput(f"unknown chip {chip_key!r}: no bench node has it")
         infos = dispatch.describe_nodes(nodes)
-        fingerprint, chosen = choose_chip(infos, chip_key)
-        target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen))
-        key = target.key
-        runner = StudyRunner(
-            db,
-            dispatch.Dispatcher(),
-            cfg,
-            target,
-            alive_nodes=lambda: len(dispatch.bench_nodes(key)),
-            on_progress=on_progress,
-        )
+        fingerprint, chosen = choose_chip(infos, chip_key, is_sim_model(cfg.model.path))
+        runner = _runner(db, cfg, fingerprint, chosen, on_progress)
         runner.prepare()  # validates before it writes anything
-        target.node_ids.update(record_nodes(db, chosen))
+        runner.target.node_ids.update(record_nodes(db, chosen))
         if on_ready:
             on_ready(runner)
         return runner.run()

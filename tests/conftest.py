@@ -7,10 +7,12 @@ elsewhere) and fail when it is not there.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+import ray
 
 PG_ADMIN_URL = os.environ.get("FLEETTUNE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 TINY = {"n_prompt": 16, "n_gen": 4, "reps": 1}  # token counts that keep a real trial under a second
@@ -102,25 +104,81 @@ def local_fingerprint():
     return fingerprint_live()
 
 
+SIM_CHIPS = {"M1 Pro/16": "apple-m1-pro-16g", "M2 Ultra/76": "apple-m2-ultra-76g"}
+LOSSY_CHIPS = {"sqlite": "M3 Max/40", "postgres": "M3 Max/30"}  # one pair of doomed nodes per database
+RAY_TOKEN = "fleettune-test-" + uuid.uuid4().hex
+
+
+def wait_until(condition, timeout: float = 60.0, interval: float = 0.1):
+    """Poll ``condition`` until it returns something truthy (and return that), or fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)  # polling a condition, not a guess at how long something takes
+    pytest.fail(f"condition not met within {timeout}s")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(local_fingerprint):
-    """One real multi-raylet Ray cluster for the session: a head without a bench slot, and bench
-    nodes labelled with this machine's chip (they measure for real with llama.cpp)."""
-    import ray
+    """The session's one real multi-raylet Ray cluster, with token authentication:
+
+    - a head without a bench slot,
+    - one real bench node labelled with this machine's chip (measures with llama.cpp),
+    - simulated Macs: two M1 Pro, three M2 Ultra (one of them 30 % slow), and two pairs of M3 Max
+      (one per database) that the node-loss test removes.
+    """
     from ray.cluster_utils import Cluster
 
     from orchestrator.dispatch import BENCH_RESOURCE, CHIP_LABEL
+    from workers.join import plan_join
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes = [
-        cluster.add_node(
-            num_cpus=1,
-            resources={BENCH_RESOURCE: 1},
-            labels={CHIP_LABEL: local_fingerprint.chip_key},
-        )
-    ]
-    cluster.wait_for_nodes()
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": RAY_TOKEN}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # every raylet, worker and driver of the session uses the token
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")  # Ray caches its config per process: make it see the token mode
+    AuthenticationTokenLoader.instance().reset_cache()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "_system_config": {
+            "health_check_period_ms": 500, "health_check_failure_threshold": 4,
+            "health_check_initial_delay_ms": 0,
+        }},
+    )
+    # the driver attaches to the head's raylet (the only one yet), so any other node can be removed
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
-    yield cluster, nodes
+    real = cluster.add_node(num_cpus=1, resources={BENCH_RESOURCE: 1},
+                            labels={CHIP_LABEL: local_fingerprint.chip_key})
+
+    def simulated(chip: str, time_scale: float, speed: float = 1.0):
+        plan = plan_join(chip, "calibrated", time_scale, speed)
+        return cluster.add_node(num_cpus=0, resources=plan.resources, labels=plan.labels)
+
+    sims = [simulated(chip, 0.02) for chip in SIM_CHIPS for _ in range(2)]
+    slow = simulated("M2 Ultra/76", 0.02, speed=0.7)
+    lossy = {db: [simulated(chip, 0.2) for _ in range(2)] for db, chip in LOSSY_CHIPS.items()}
+    cluster.wait_for_nodes()
+    yield {
+        "cluster": cluster,
+        "address": cluster.address,
+        "env": env,
+        "real_node": real,
+        "simulated_nodes": sims,
+        "slow_node": slow.node_id,
+        "lossy": {db: (plan_join(LOSSY_CHIPS[db]).fingerprint.chip_key, nodes) for db, nodes in lossy.items()},
+    }
     ray.shutdown()
     cluster.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def fleet_cluster(ray_cluster):
+    return ray_cluster

@@ -57,9 +57,9 @@ def test_bench_json_is_llama_bench_shaped(sqlite_url, model_path):
         assert len(row["samples_ts"]) == 2 and row["avg_ts"] > 0 and row["threads"] == 1
 
 
-def test_tune_results_best_end_to_end(db_url, model_path, ray_cluster):
-    cluster, _ = ray_cluster
-    out = run("tune", model_path, "--trials", "4", "--address", cluster.address, "--db", db_url,
+def test_tune_results_best_end_to_end(db_url, model_path, ray_cluster, local_fingerprint):
+    out = run("tune", model_path, "--trials", "4", "--address", ray_cluster["address"], "--db", db_url,
+              "--chip", local_fingerprint.chip_key,
               "--seed", "1", "--json", *TINY_TUNE).output
     outcome = json.loads(out)
     assert outcome["state"] == "complete" and outcome["trials_complete"] == 4
@@ -100,11 +100,10 @@ def test_db_upgrade_and_current(db_url):
 
 
 @pytest.fixture
-def tuned_db(sqlite_url, model_path, ray_cluster):
-    cluster, _ = ray_cluster
-    run("tune", model_path, "--trials", "1", "--address", cluster.address, "--db", sqlite_url,
-        "--study", "taken", *TINY_TUNE)
-    return sqlite_url, cluster.address
+def tuned_db(sqlite_url, model_path, ray_cluster, local_fingerprint):
+    run("tune", model_path, "--trials", "1", "--address", ray_cluster["address"], "--db", sqlite_url,
+        "--study", "taken", "--chip", local_fingerprint.chip_key, *TINY_TUNE)
+    return sqlite_url, ray_cluster["address"]
 
 
 def _bad(tuned_db, *args, match: str):
@@ -124,7 +123,9 @@ def test_bad_inputs(tuned_db, model_path, tmp_path):
     notgguf.write_text("not a model")
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(model_path.read_bytes()[:4096])
-    tune = ["tune", model_path, "--address", address, *TINY_TUNE]
+    from workers.hardware import fingerprint_live
+
+    tune = ["tune", model_path, "--address", address, "--chip", fingerprint_live().chip_key, *TINY_TUNE]
     _bad(tuned_db, "tune", tmp_path / "missing.gguf", match="no such model file")
     _bad(tuned_db, "tune", notgguf, "--address", address, match="not a GGUF")
     _bad(tuned_db, "bench", corrupt, match="corrupt GGUF")
@@ -136,6 +137,10 @@ def test_bad_inputs(tuned_db, model_path, tmp_path):
     _bad(tuned_db, *tune, "--study", "taken", match="already exists")
     _bad(tuned_db, "tune", model_path, "--address", "127.0.0.1:1", *TINY_TUNE, match="cannot reach")
     _bad(tuned_db, "tune", "no-such-model", match="unknown model")
+    _bad(tuned_db, "tune", model_path, "--address", address, "--chip", "apple-m9-99g", *TINY_TUNE,
+         match="unknown chip")
+    _bad(tuned_db, "tune", "sim://llama2-7b/q4_0", "--address", address, "--chip",
+         fingerprint_live().chip_key, *TINY_TUNE, match="simulated model")
 
 
 def test_bad_database_url_is_one_line():

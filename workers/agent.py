@@ -17,6 +17,13 @@ from workers import bench
 from workers.hardware import fingerprint_live
 from workers.trial import TrialResult, TrialSpec
 
+SIMULATE_LABEL = "fleettune.io/simulate"  # value: a chip bin as "M2_Ultra.76.192"
+SCENARIO_LABEL = "fleettune.io/scenario"
+TIME_SCALE_LABEL = "fleettune.io/time-scale"
+SPEED_LABEL = "fleettune.io/speed"  # a simulated node's speed relative to its chip (a degraded Mac)
+
+_simulated_nodes: dict = {}  # per node id: its simulated Mac (keeps heat between trials)
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -42,17 +49,38 @@ def _ray_context() -> tuple[str, dict]:
     return ctx.get_node_id(), dict(ctx.get_node_labels() or {})
 
 
+def simulated_node(node_id: str, labels: dict):
+    """The simulated Mac this node stands for, or None for a real node."""
+    if SIMULATE_LABEL not in labels:
+        return None
+    node = _simulated_nodes.get(node_id)
+    if node is None:
+        from workers import simulated
+
+        node = simulated.SimulatedNode(
+            simulated.parse_chip(labels[SIMULATE_LABEL]),
+            shape_for=simulated.shape_for_path,
+            scenario=labels.get(SCENARIO_LABEL, "calibrated"),
+            time_scale=float(labels.get(TIME_SCALE_LABEL, "0")),
+            speed=float(labels.get(SPEED_LABEL, "1")),
+            seed=int(node_id[:8], 16) if node_id else 0,
+        )
+        _simulated_nodes[node_id] = node
+    return node
+
+
 def node_info() -> NodeInfo:
-    """Fingerprint the node this runs on."""
+    """Fingerprint the node this runs on (a simulated node reports its simulated chip)."""
     import ray
 
     node_id, labels = _ray_context()
+    sim = simulated_node(node_id, labels)
     return NodeInfo(
         ray_node_id=node_id,
         hostname=labels.get("fleettune.io/hostname") or socket.gethostname(),
-        fingerprint=fingerprint_live().to_dict(),
-        llama_build=bench.llama_build_info(),
-        simulated=False,
+        fingerprint=sim.chip.fingerprint() if sim else fingerprint_live().to_dict(),
+        llama_build=sim.backend_info() if sim else bench.llama_build_info(),
+        simulated=sim is not None,
         python_version=".".join(map(str, sys.version_info[:3])),
         ray_version=ray.__version__,
         labels=labels,
@@ -62,9 +90,10 @@ def node_info() -> NodeInfo:
 def run_trial(spec: TrialSpec) -> TrialResult:
     """Measure one configuration on this node (after the cool-down the study asked for)."""
     node_id, labels = _ray_context()
-    if spec.cooldown_s > 0:
+    sim = simulated_node(node_id, labels)
+    if spec.cooldown_s > 0 and not sim:
         time.sleep(spec.cooldown_s)  # let the machine cool between trials; not synchronisation
-    result = bench.measure(spec)
+    result = sim.measure(spec) if sim else bench.measure(spec)
     result.node_id = node_id
     result.hostname = labels.get("fleettune.io/hostname") or socket.gethostname()
     return result
@@ -80,3 +109,42 @@ def local_identity() -> dict:
         "platform": platform.system(),
         "pid": os.getpid(),
     }
+
+
+# ---------------------------------------------------------------- model push (head -> node)
+
+
+def model_status(path: str, sha256: str) -> str:
+    """"present" when this node has the file with that sha256, else "missing" or "different"."""
+    from pathlib import Path
+
+    from workers.models import sha256_file
+
+    file = Path(path)
+    if not file.is_file():
+        return "missing"
+    return "present" if sha256_file(file) == sha256 else "different"
+
+
+def write_model_chunk(path: str, offset: int, data: bytes) -> int:
+    """Write one chunk of a pushed model into ``path``.part (created on the first chunk)."""
+    from pathlib import Path
+
+    part = Path(path + ".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    with open(part, "r+b" if offset else "wb") as handle:
+        handle.seek(offset)
+        handle.write(data)
+    return len(data)
+
+
+def finish_model(path: str, sha256: str) -> bool:
+    """Check the pushed file's sha256 and move it into place atomically; a bad copy is deleted."""
+    from workers.models import sha256_file
+
+    part = path + ".part"
+    if sha256_file(part) != sha256:
+        os.unlink(part)
+        return False
+    os.replace(part, path)
+    return True

@@ -318,7 +318,9 @@ def _describe_exit(returncode: int, stderr: str) -> str:
 def measure(spec: TrialSpec) -> TrialResult:
     """Run one trial in a fresh subprocess; any failure comes back as ``ok=False`` with a reason."""
     if not Path(spec.model_path).is_file():
-        return TrialResult.failure(spec.trial_key, f"model not on node: {spec.model_path}")
+        return TrialResult.failure(
+            spec.trial_key, f"model not on node ({spec.model_path}); run `fleettune model push`"
+        )
     with tempfile.TemporaryDirectory(prefix="fleettune-trial-") as tmp:
         spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec_path.write_text(json.dumps({**asdict(spec)}))

@@ -328,3 +328,33 @@ def latest_recommendations(
         key = (rec.chip_id, rec.model_id, rec.objective, rec.n_prompt, rec.n_gen, rec.simulated)
         newest.setdefault(key, rec)
     return sorted(newest.values(), key=lambda r: (r.chip.key, r.simulated, r.objective))
+
+
+# ---------------------------------------------------------------- fleet
+
+
+def list_nodes(session: Session) -> list[Node]:
+    return list(session.scalars(select(Node).options(joinedload(Node.chip)).order_by(Node.id)))
+
+
+def trials_per_node(session: Session) -> dict[int, int]:
+    rows = session.execute(
+        select(Trial.node_id, func.count()).where(Trial.node_id.is_not(None), Trial.state == "complete")
+        .group_by(Trial.node_id)
+    )
+    return {node_id: n for node_id, n in rows}
+
+
+def comparable_results(session: Session) -> list[tuple]:
+    """(study, configuration, node, objective value, maximise?) of every complete trial with a node."""
+    import json
+
+    rows = session.execute(
+        select(Trial.study_id, Trial.params, Trial.node_id, Trial.objective_value, Study.objective)
+        .join(Study, Trial.study_id == Study.id)
+        .where(Trial.state == "complete", Trial.node_id.is_not(None), Trial.objective_value.is_not(None))
+    )
+    return [
+        (study_id, json.dumps(params, sort_keys=True), node_id, value, objective != "e2e")
+        for study_id, params, node_id, value, objective in rows
+    ]

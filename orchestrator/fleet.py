@@ -1,0 +1,181 @@
+"""The fleet as the head sees it: start the head, list nodes, flag slow ones, simulate a fleet.
+
+The head runs Ray with token authentication. `head start` generates the token and keeps it in
+the data dir (mode 0600); every worker and client must present it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.db import Database, repo
+from orchestrator.db.session import data_dir
+from workers.errors import BadInput
+from workers.join import BENCH_RESOURCE, CHIP_LABEL, run_ray
+
+SLOW_NODE_THRESHOLD = 0.10  # a node this much slower than its peers' median is flagged
+
+
+def token_path() -> Path:
+    return data_dir() / "ray_token"
+
+
+def new_token() -> str:
+    """A fresh cluster token, saved for this head (readable by its owner only)."""
+    token = secrets.token_hex(32)
+    path = token_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token)
+    return token
+
+
+def saved_token() -> str | None:
+    path = token_path()
+    return path.read_text().strip() if path.is_file() else None
+
+
+def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = False) -> tuple[str, str]:
+    """Start the Ray head bound to ``host`` (loopback by default) with a new token."""
+    if not 1 <= port <= 65535:
+        raise BadInput(f"port {port}: must be 1..65535")
+    token = new_token()
+    run_ray(
+        [
+            "start", "--head", "--port", str(port), "--node-ip-address", host,
+            "--include-dashboard", "true" if dashboard else "false",
+            "--resources", f'{{"{BENCH_RESOURCE}": 0}}', "--disable-usage-stats",
+        ],
+        token,
+    )
+    return f"{host}:{port}", token
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    hostname: str
+    ray_node_id: str
+    chip: str | None
+    state: str  # idle | busy | dead
+    simulated: bool
+    trials_done: int
+    last_seen: object
+    slow_by: float | None  # how much slower than its peers, when flagged
+
+
+def node_states() -> dict[str, tuple[str, str | None, dict]]:
+    """Ray's view of the bench nodes: node id -> (idle | busy | dead, chip label, labels)."""
+    import ray
+
+    available = _available_bench()
+    out = {}
+    for node in ray.nodes():
+        if node.get("Resources", {}).get(BENCH_RESOURCE, 0) < 1:
+            continue
+        labels = dict(node.get("Labels") or {})
+        if not node.get("Alive"):
+            state = "dead"
+        else:
+            state = "idle" if available.get(node["NodeID"], 0) >= 1 else "busy"
+        out[node["NodeID"]] = (state, labels.get(CHIP_LABEL), labels)
+    return out
+
+
+def _available_bench() -> dict[str, float]:
+    """Free bench slots per live node, from the GCS's resource view (a slot in use is absent)."""
+    from ray._private.state import available_resources_per_node
+
+    return {node_id: res.get(BENCH_RESOURCE, 0) for node_id, res in available_resources_per_node().items()}
+
+
+def slow_nodes(db: Database, threshold: float = SLOW_NODE_THRESHOLD) -> dict[int, float]:
+    """Nodes consistently slower than peers of their chip on the same configurations.
+
+    For every (study, configuration) measured on two or more nodes, each node's objective is
+    compared with the median of the others; a node whose median ratio is below 1 - threshold
+    over at least two such comparisons is flagged, with how much slower it is.
+    """
+    with db.session() as s:
+        rows = repo.comparable_results(s)
+    by_config: dict[tuple, dict[int, list[float]]] = {}
+    for study_id, params_key, node_id, value, maximize in rows:
+        by_config.setdefault((study_id, params_key, maximize), {}).setdefault(node_id, []).append(value)
+    ratios: dict[int, list[float]] = {}
+    for (_, _, maximize), per_node in by_config.items():
+        if len(per_node) < 2:
+            continue
+        medians = {n: statistics.median(v) for n, v in per_node.items()}
+        for node_id, value in medians.items():
+            peers = statistics.median(v for n, v in medians.items() if n != node_id)
+            ratio = value / peers if maximize else peers / value
+            ratios.setdefault(node_id, []).append(ratio)
+    return {
+        node_id: 1 - statistics.median(r)
+        for node_id, r in ratios.items()
+        if len(r) >= 2 and statistics.median(r) < 1 - threshold
+    }
+
+
+def fleet_status(db: Database) -> list[NodeStatus]:
+    """Every known node: Ray's live state joined with the database's history."""
+    states = node_states()
+    slow = slow_nodes(db)
+    with db.session() as s:
+        known = {n.ray_node_id: n for n in repo.list_nodes(s)}
+        done = repo.trials_per_node(s)
+        out = []
+        for node_id, (state, chip, labels) in sorted(states.items(), key=lambda kv: (kv[1][1] or "", kv[0])):
+            row = known.get(node_id)
+            out.append(NodeStatus(
+                hostname=row.hostname if row else labels.get("fleettune.io/hostname", "?"),
+                ray_node_id=node_id,
+                chip=chip,
+                state=state,
+                simulated=bool(row.simulated) if row else "fleettune.io/simulate" in labels,
+                trials_done=done.get(row.id, 0) if row else 0,
+                last_seen=row.last_seen if row else None,
+                slow_by=slow.get(row.id) if row else None,
+            ))
+        for node_id, row in known.items():
+            if node_id not in states:
+                out.append(NodeStatus(row.hostname, node_id, row.chip.key, "gone", row.simulated,
+                                      done.get(row.id, 0), row.last_seen, slow.get(row.id)))
+    return out
+
+
+def parse_mix(mix: str) -> list[tuple[str, int]]:
+    """"M1 Pro/16:4,M2 Ultra/76:8" -> [("M1 Pro/16", 4), ("M2 Ultra/76", 8)]."""
+    from workers.simulated import parse_chip
+
+    out = []
+    for part in (p.strip() for p in mix.split(",") if p.strip()):
+        chip, _, count = part.rpartition(":")
+        if not chip or not count.isdigit() or int(count) < 1:
+            raise BadInput(f"bad --mix entry {part!r}: expected CHIP:COUNT, e.g. \"M2 Ultra/76:8\"")
+        parse_chip(chip)  # unknown chips are bad input before anything starts
+        out.append((chip, int(count)))
+    if not out:
+        raise BadInput("--mix names no nodes")
+    return out
+
+
+def simulate(mix: str, address: str | None, port: int, scenario: str, time_scale: float):
+    """Start (or join) a head and one simulated Ray worker per node of the mix."""
+    from workers import join
+
+    entries = parse_mix(mix)
+    token = None
+    if address is None:
+        address, token = head_start(port)
+    else:
+        token = saved_token()
+    for chip, count in entries:
+        plan = join.plan_join(chip, scenario, time_scale)
+        for _ in range(count):
+            join.worker_start(address, token, plan, num_cpus=0)
+    return address, token, [{"chip": chip, "count": count} for chip, count in entries]

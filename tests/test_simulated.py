@@ -1,0 +1,148 @@
+"""The calibrated Apple Silicon model: calibration table, generalisation, physics, the seed scenario."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers import simulated
+from workers.errors import BadInput
+from workers.simulated import (
+    SimulatedNode,
+    calibration_rows,
+    model_shape,
+    optimum,
+    parse_chip,
+    predict,
+)
+from workers.trial import BenchParams, TrialSpec, Workload
+
+FULL = BenchParams(n_gpu_layers=99, n_threads=4, n_batch=2048, n_ubatch=512)  # llama-bench -ngl 99
+
+
+def test_calibration_table_every_full_offload_row_within_15_percent(capsys):
+    rows, worst = [], 0.0
+    for r in calibration_rows():
+        pred = predict(r["chip"], model_shape("llama2-7b", r["quant"]), FULL)
+        for test, got, want in (("pp512", pred.pp_tps, r["pp512"]), ("tg128", pred.tg_tps, r["tg128"])):
+            err = got / want - 1
+            worst = max(worst, abs(err))
+            rows.append(f"{r['chip'].family:9} {r['chip'].gpu_cores:3}g {r['quant']:5} {test}  "
+                        f"predicted {got:8.2f}  measured {want:8.2f}  error {err:+6.1%}")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows) + f"\nworst error {worst:.1%} over {len(rows)} values")
+    assert len(rows) == 2 * 45  # every reported cell of the public table
+    assert worst <= 0.15
+
+
+@pytest.mark.parametrize(
+    "chip, pp, tg",
+    [  # public llama-bench figures (LLaMA-2 7B Q4_0, full offload) for chips the fit never saw
+        ("M3 Max/40", 759.7, 66.3),
+        ("M4 Max/40", 885.7, 83.1),
+        ("M4 Pro/20", 449.6, 50.7),
+        ("M3 Pro/18", 341.7, 30.7),
+    ],
+)
+def test_the_same_physics_holds_for_m3_and_m4(chip, pp, tg):
+    pred = predict(parse_chip(chip + "/128"), model_shape("llama2-7b", "q4_0"), FULL)
+    assert pred.pp_tps == pytest.approx(pp, rel=0.25)
+    assert pred.tg_tps == pytest.approx(tg, rel=0.25)
+
+
+def test_threads_on_e_cores_slow_the_whole_step():
+    chip = parse_chip("M2 Max/38/96")  # 8 P + 4 E cores
+    shape = model_shape("llama2-7b", "q4_0")
+
+    def cpu_tg(threads):
+        return predict(chip, shape, BenchParams(n_gpu_layers=0, n_threads=threads, n_batch=512,
+                                                n_ubatch=512)).tg_tps
+
+    assert cpu_tg(8) > 1.8 * cpu_tg(4)  # P-cores scale
+    assert cpu_tg(12) < cpu_tg(8) / 3  # the field: 18 -> 5 tok/s going from 8 to 12 threads
+    assert cpu_tg(8) == pytest.approx(18, rel=0.2)
+    assert cpu_tg(16) < cpu_tg(12)  # more threads than cores is worse still
+
+
+def test_cpu_threads_stop_scaling_at_the_bandwidth_limit():
+    from dataclasses import replace
+
+    # an M1 Max whose memory were as slow as 60 GB/s: its 8 P-cores could stream more than that
+    chip = replace(parse_chip("M1 Max/32/64"), bandwidth_gbs=60)
+    shape = model_shape("llama2-7b", "q4_0")
+    rates = [predict(chip, shape, BenchParams(0, t, 512, 512)).tg_tps for t in (2, 4, 6, 8)]
+    assert rates[1] > 1.9 * rates[0]  # scales with P-cores while bandwidth lasts
+    assert rates[3] == pytest.approx(rates[2])  # then stops at the CPU's bandwidth share
+
+
+def test_a_gpu_share_beyond_the_working_set_fails_like_oom():
+    chip = parse_chip("M2/8/8")
+    f16 = model_shape("llama2-7b", "f16")  # 12.5 GiB of weights on an 8 GB machine
+    pred = predict(chip, f16, FULL)
+    assert not pred.fits and "out of memory" in pred.reason
+    assert predict(chip, f16, BenchParams(0, 4, 512, 512)).fits  # on the CPU it only swaps
+
+
+def test_seed_scenario_reproduces_the_interior_optimum_on_m2_ultra():
+    chip = parse_chip("M2 Ultra/76/192")
+    shape = model_shape("llama3-8b", "q4_k_m")
+    by_ngl = {ngl: predict(chip, shape, BenchParams(ngl, 8, 512, 512), scenario="seed").tg_tps
+              for ngl in range(0, 34)}
+    best = max(by_ngl, key=by_ngl.get)
+    assert 22 <= best <= 26 and 50 <= by_ngl[best] <= 60
+    assert by_ngl[33] < by_ngl[best] * 0.95  # full offload is worse
+    calibrated = {ngl: predict(chip, shape, BenchParams(ngl, 8, 512, 512)).tg_tps for ngl in (24, 33)}
+    assert calibrated[33] > calibrated[24]  # the default scenario prefers full offload
+
+
+def test_optimum_is_the_best_of_the_grid():
+    chip = parse_chip("M1 Pro/16/32")
+    shape = model_shape("llama2-7b", "q4_0")
+    params, pred, value = optimum(chip, shape, "tg")
+    assert value == pred.tg_tps
+    for other in simulated.search_grid(chip, shape):
+        assert predict(chip, shape, other).tg_tps <= value + 1e-9
+
+
+def test_unknown_chip_and_bin():
+    with pytest.raises(BadInput, match="unknown chip"):
+        parse_chip("M9 Hyper/99")
+    with pytest.raises(BadInput, match="comes with"):
+        parse_chip("M2 Ultra/77")
+    assert parse_chip("M2_Ultra.76.192") == parse_chip("M2 Ultra/76/192")
+
+
+def _spec(key="k", reps=3):
+    return TrialSpec("sim://llama2-7b/q4_0", "x", BenchParams(99, 4, 512, 512), Workload(512, 128, reps),
+                     trial_key=key)
+
+
+def test_simulated_node_is_labelled_noisy_and_seeded():
+    chip = parse_chip("M1 Max/32/64")
+    a = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=1).measure(_spec())
+    b = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=1).measure(_spec())
+    c = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=2).measure(_spec())
+    assert a.ok and a.simulated and "simulated" in a.backend_info
+    assert [s.seconds for s in a.samples] == [s.seconds for s in b.samples]  # a seed makes it deterministic
+    assert [s.seconds for s in a.samples] != [s.seconds for s in c.samples]
+    truth = predict(chip, model_shape("llama2-7b", "q4_0"), BenchParams(99, 4, 512, 512)).tg_tps
+    assert a.tg.median == pytest.approx(truth, rel=0.1) and a.tg.stddev > 0
+
+
+def test_fanless_machines_throttle_under_sustained_load():
+    node = SimulatedNode(parse_chip("M2/10/24"), shape_for=simulated.shape_for_path, noise_cv=0.0)
+    cool = node.measure(_spec("a")).tg.median
+    for i in range(40):
+        node.measure(_spec(f"warm{i}"))
+    hot = node.measure(_spec("b")).tg.median
+    assert hot < cool * 0.9
+    fan = SimulatedNode(parse_chip("M2 Max/38/64"), shape_for=simulated.shape_for_path, noise_cv=0.0)
+    first = fan.measure(_spec("a")).tg.median
+    for i in range(40):
+        fan.measure(_spec(f"warm{i}"))
+    assert fan.measure(_spec("b")).tg.median == pytest.approx(first)
+
+
+def test_shape_from_the_real_gguf(model_path):
+    shape = simulated.shape_from_gguf(str(model_path))
+    assert (shape.n_layer, shape.n_embd, shape.n_vocab) == (30, 576, 49152)
+    assert shape.n_params == pytest.approx(134.5e6, rel=0.05)

@@ -1,0 +1,108 @@
+"""Joining a node to the fleet: fingerprint it, then start a Ray worker with its labels.
+
+The node advertises one ``fleettune_bench`` slot and labels for its chip, GPU cores and memory, so
+the head can route a chip's trials to it and never run two benchmarks on it at once. A simulated
+node (``--simulate "M2 Ultra/76"``) carries its chip bin in a label and measures through the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from workers.agent import SCENARIO_LABEL, SIMULATE_LABEL, SPEED_LABEL, TIME_SCALE_LABEL
+from workers.errors import BadInput, FleettuneError
+from workers.hardware import Fingerprint, fingerprint_live
+
+BENCH_RESOURCE = "fleettune_bench"
+CHIP_LABEL = "fleettune.io/chip"
+GPU_CORES_LABEL = "fleettune.io/gpu-cores"
+MEMORY_LABEL = "fleettune.io/memory-gb"
+AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+
+
+@dataclass(frozen=True)
+class JoinPlan:
+    """What `worker start` will ask Ray for."""
+
+    fingerprint: Fingerprint
+    labels: dict
+    resources: dict
+    simulated: bool
+
+
+def plan_join(
+    simulate: str | None = None, scenario: str = "calibrated", time_scale: float = 0.0, speed: float = 1.0
+) -> JoinPlan:
+    if simulate:
+        from workers import simulated
+
+        chip = simulated.parse_chip(simulate)
+        fp = Fingerprint.from_dict(chip.fingerprint())
+        extra = {SIMULATE_LABEL: chip.ray_label, SCENARIO_LABEL: scenario,
+                 TIME_SCALE_LABEL: f"{time_scale:g}", SPEED_LABEL: f"{speed:g}"}
+    else:
+        fp = fingerprint_live()
+        extra = {}
+    if not fp.chip_key:
+        raise BadInput("this machine's chip is unknown; it cannot be routed to")
+    labels = {CHIP_LABEL: fp.chip_key, **extra}
+    if fp.gpu_cores:
+        labels[GPU_CORES_LABEL] = str(fp.gpu_cores)
+    if fp.memory_bytes:
+        labels[MEMORY_LABEL] = str(round(fp.memory_bytes / 1024**3))
+    return JoinPlan(fp, labels, {BENCH_RESOURCE: 1}, simulate is not None)
+
+
+def ray_env(token: str | None) -> dict:
+    """Environment for every Ray process of the fleet: token auth, and the macOS cluster switch."""
+    env = dict(os.environ)
+    if token:
+        env.update(AUTH_ENV, RAY_AUTH_TOKEN=token)
+    if platform.system() == "Darwin":
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"  # multi-node Ray on Macs needs it everywhere
+    return env
+
+
+def ray_cli() -> str:
+    exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if not exe:
+        raise FleettuneError("the `ray` command is not installed beside this Python")
+    return exe
+
+
+def run_ray(args: list[str], token: str | None, timeout: float = 120) -> str:
+    """Run the ray CLI; a failure is one line naming Ray's own reason."""
+    try:
+        done = subprocess.run([ray_cli(), *args], capture_output=True, text=True, timeout=timeout,
+                              env=ray_env(token), check=False)
+    except subprocess.TimeoutExpired:
+        raise FleettuneError(f"`ray {args[0]}` did not finish in {timeout:g}s") from None
+    if done.returncode != 0:
+        text = (done.stderr + done.stdout).strip().splitlines()
+        reason = next((line for line in text if "mismatch" in line.lower()), None)
+        reason = reason or next((line for line in reversed(text) if line.strip()), "no output")
+        raise FleettuneError(f"`ray {args[0]}` failed: {reason.strip()}")
+    return done.stdout
+
+
+def worker_start(address: str, token: str | None, plan: JoinPlan, num_cpus: int | None = None) -> str:
+    """Start this node's Ray worker joined to the head at ``address``."""
+    args = [
+        "start", "--address", address,
+        "--resources", json.dumps(plan.resources),
+        "--labels", ",".join(f"{k}={v}" for k, v in plan.labels.items()),
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        args += ["--num-cpus", str(num_cpus)]
+    return run_ray(args, token)
+
+
+def worker_stop() -> str:
+    return run_ray(["stop"], None)
