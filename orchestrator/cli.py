@@ -265,8 +265,8 @@ def _progress_printer(console):
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--gen-tokens", default=128, show_default=True)
 @click.option("-r", "--reps", default=3, show_default=True, help="Repetitions per trial.")
-@click.option("--sampler", default="tpe", show_default=True,
-              help="tpe | gp | random | grid | seed-scan.")
+@click.option("--sampler", default="auto", show_default=True,
+              help="auto (gp with torch installed, else tpe) | tpe | gp | random | grid | seed-scan.")
 @click.option("--study", "study_name", help="Study name (default: chip/model/workload).")
 @click.option("--resume", is_flag=True, help="Continue the study instead of starting a new one.")
 @click.option("--chip", "chip_key", help="Chip key to tune (needed when the cluster has several).")

@@ -146,6 +146,8 @@ def recommend(
 
 def top_configs(records: list[TrialRecord], values: dict[int, float], objective: str, k: int) -> list[BenchParams]:
     """The ``k`` best distinct configurations of the search, by their objective value."""
+    if k <= 0:
+        return []
     reverse = DIRECTIONS[objective] == "maximize"
     ranked = sorted(
         (r for r in records if r.phase == "search" and r.trial_id in values),

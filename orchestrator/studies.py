@@ -24,7 +24,13 @@ from orchestrator import learn
 from orchestrator.db import Database, repo
 from orchestrator.db.session import engine_kwargs
 from orchestrator.dispatch import Dispatcher
-from orchestrator.samplers import SAMPLER_NAMES, SeedScanSampler, grid_size, make_sampler
+from orchestrator.samplers import (
+    SAMPLER_NAMES,
+    SeedScanSampler,
+    grid_size,
+    make_sampler,
+    resolve_sampler,
+)
 from orchestrator.space import SearchSpace, llama_cpp_python_defaults
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
@@ -52,7 +58,7 @@ class StudyConfig:
     objective: str = "tg"
     workload: Workload = field(default_factory=Workload)
     n_trials: int = 30
-    sampler: str = "tpe"
+    sampler: str = "auto"
     name: str | None = None
     resume: bool = False
     seed: int | None = None
@@ -190,7 +196,7 @@ class StudyRunner:
                     n_prompt=cfg.workload.n_prompt,
                     n_gen=cfg.workload.n_gen,
                     reps=cfg.workload.reps,
-                    sampler=cfg.sampler,
+                    sampler=resolve_sampler(cfg.sampler),
                     budget=self.budget,
                     space=space.to_dict(),
                     simulated=self.target.simulated,
