@@ -45,6 +45,25 @@ def _check_reachable(address: str) -> None:
         raise BadInput(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
 
 
+def _use_token() -> None:
+    """Present the fleet's token: $FLEETTUNE_RAY_TOKEN, or the one `head start` saved here."""
+    import os
+
+    from orchestrator.db.session import data_dir
+
+    token = os.environ.get("FLEETTUNE_RAY_TOKEN")
+    saved = data_dir() / "ray_token"
+    if not token and not os.environ.get("RAY_AUTH_TOKEN") and saved.is_file():
+        token = saved.read_text().strip()
+    if not token:
+        return
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")  # Ray caches its settings per process
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def connect(address: str | None, *, local_chip_key: str | None = None) -> bool:
     """Join the cluster at ``address``, or start an embedded one-node cluster on this machine.
 
@@ -60,6 +79,7 @@ def connect(address: str | None, *, local_chip_key: str | None = None) -> bool:
             raise BadInput(f"this process is already connected to the Ray cluster at {current}")
         return False
     if address:
+        _use_token()
         try:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError, ValueError) as exc:

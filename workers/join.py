@@ -101,6 +101,9 @@ def worker_start(address: str, token: str | None, plan: JoinPlan, num_cpus: int 
     ]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
+    host = address.rpartition(":")[0]
+    if host in ("127.0.0.1", "localhost"):  # a head on loopback: this node is on the same machine
+        args += ["--node-ip-address", "127.0.0.1"]
     return run_ray(args, token)
 
 
