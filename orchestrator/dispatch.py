@@ -8,6 +8,7 @@ Ray (``max_retries=0``): a lost node is a failed trial the study decides about.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
@@ -47,8 +48,6 @@ def _check_reachable(address: str) -> None:
 
 def _use_token() -> None:
     """Present the fleet's token: $FLEETTUNE_RAY_TOKEN, or the one `head start` saved here."""
-    import os
-
     from orchestrator.db.session import data_dir
 
     token = os.environ.get("FLEETTUNE_RAY_TOKEN")
@@ -83,7 +82,8 @@ def connect(address: str | None, *, local_chip_key: str | None = None) -> bool:
         try:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise BadInput(f"cannot join the Ray cluster at {address}: {exc}") from None
+            hint = "" if os.environ.get("RAY_AUTH_TOKEN") else " (no token: set FLEETTUNE_RAY_TOKEN)"
+            raise BadInput(f"cannot join the Ray cluster at {address}: {exc}{hint}") from None
         return True
     labels = {CHIP_LABEL: local_chip_key} if local_chip_key else {}
     ray.init(
