@@ -84,19 +84,6 @@ class SearchSpace:
             values["flash_attn"] = params.flash_attn
         return values
 
-    def snap(self, params: BenchParams) -> BenchParams:
-        """The nearest configuration inside this space (for defaults from outside it)."""
-        batch = min(self.batch_choices, key=lambda b: (abs(b - params.n_batch), b))
-        ubatch = min(self.batch_choices, key=lambda b: (abs(b - params.n_ubatch), b))
-        return BenchParams(
-            n_gpu_layers=min(max(params.n_gpu_layers, 0), self.ngl_max),
-            n_threads=min(max(params.n_threads, 1), self.threads_max),
-            n_batch=batch,
-            n_ubatch=min(ubatch, batch),
-            flash_attn=params.flash_attn and self.flash_attn,
-            n_threads_batch=params.n_threads_batch,
-        )
-
     def grid(self, max_axis: int = 8) -> dict[str, list]:
         """A coarse grid over this space for the grid sampler (each axis at most ``max_axis``)."""
 

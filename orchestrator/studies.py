@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import optuna
 from optuna.storages import RDBStorage
@@ -26,7 +26,6 @@ from orchestrator.db.session import engine_kwargs
 from orchestrator.dispatch import Dispatcher
 from orchestrator.samplers import (
     SAMPLER_NAMES,
-    SeedScanSampler,
     grid_size,
     make_sampler,
     resolve_sampler,
@@ -511,12 +510,8 @@ class StudyRunner:
             try:
                 best = self.optuna_study.best_trial
                 best_value = best.value
-                best_params = replace(self.space.suggest(optuna.trial.FixedTrial(best.params)))
+                best_params = self.space.suggest(optuna.trial.FixedTrial(best.params))
             except ValueError:
                 pass
         running = [next(x for x in v if isinstance(x, BenchParams)) for v in inflight.values()]
         self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
-
-
-def seed_scan_length(space: SearchSpace) -> int:
-    return SeedScanSampler(space).plan_length()

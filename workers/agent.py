@@ -7,7 +7,6 @@ never import the orchestrator or the database.
 from __future__ import annotations
 
 import os
-import platform
 import socket
 import sys
 import time
@@ -97,18 +96,6 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     result.node_id = node_id
     result.hostname = labels.get("fleettune.io/hostname") or socket.gethostname()
     return result
-
-
-def local_identity() -> dict:
-    """Facts for a fleet-wide version check (Ray and Python must match across nodes)."""
-    import ray
-
-    return {
-        "python": ".".join(map(str, sys.version_info[:2])),
-        "ray": ray.__version__,
-        "platform": platform.system(),
-        "pid": os.getpid(),
-    }
 
 
 # ---------------------------------------------------------------- model push (head -> node)

@@ -72,10 +72,6 @@ def upsert_node(
     return node
 
 
-def get_chip(session: Session, key: str) -> Chip | None:
-    return session.scalar(select(Chip).where(Chip.key == key))
-
-
 def upsert_model(session: Session, info: ModelInfo, mtime: float | None = None) -> Model:
     model = session.scalar(select(Model).where(Model.sha256 == info.sha256))
     if model is None:
@@ -236,16 +232,6 @@ def study_trials(session: Session, study_id: int, phase: str | None = None) -> l
     if phase:
         query = query.where(Trial.phase == phase)
     return list(session.scalars(query.order_by(Trial.id)).unique())
-
-
-def recorded_optuna_numbers(session: Session, study_id: int) -> set[int]:
-    return set(
-        session.scalars(
-            select(Trial.optuna_number).where(
-                Trial.study_id == study_id, Trial.optuna_number.is_not(None)
-            )
-        )
-    )
 
 
 # ---------------------------------------------------------------- queries for the CLI
