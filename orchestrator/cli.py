@@ -93,7 +93,7 @@ def hw_show(from_dir: str | None, fmt: str) -> None:
 
 MODEL_COLUMNS = [
     Column("name", "name", no_wrap=True),
-    Column("sha256_short", "sha256"),
+    Column("sha256_short", "sha256", no_wrap=True),
     Column("architecture", "arch"),
     Column("n_layer", "layers", justify="right"),
     Column("params", "params", justify="right"),
