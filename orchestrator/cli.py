@@ -94,11 +94,10 @@ def hw_show(from_dir: str | None, fmt: str) -> None:
 MODEL_COLUMNS = [
     Column("name", "name", no_wrap=True),
     Column("sha256_short", "sha256", no_wrap=True),
-    Column("architecture", "arch"),
     Column("n_layer", "layers", justify="right"),
-    Column("params", "params", justify="right"),
+    Column("params", "params", justify="right", no_wrap=True),
     Column("file_type", "quant"),
-    Column("size", "size", justify="right"),
+    Column("size", "size", justify="right", no_wrap=True),
 ]
 
 
