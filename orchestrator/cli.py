@@ -305,7 +305,9 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
                 console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}")
 
         outcomes = tune_all_chips(db, cfg, address=address, on_progress=report)
-        rows = [_outcome_record(o, cfg) for o in outcomes]
+        rows = [{**_outcome_record(o, cfg),
+                 "expected": o.recommendation.expected_tps if o.recommendation else None}
+                for o in outcomes]
         click.echo(render(rows, ALL_CHIPS_COLUMNS, fmt))
         return
     if quiet or fmt != "table":
@@ -345,7 +347,6 @@ def _outcome_record(outcome, cfg) -> dict:
             "llama_cpp_flags": rec.params.llama_cpp_flags(),
             "llama_cpp_python": rec.params.llama_cpp_python_kwargs(),
             f"expected_{cfg.objective}_tps": round(rec.expected_tps, 3),
-            "expected": rec.expected_tps,
             "interval": [round(rec.interval_low, 3), round(rec.interval_high, 3)],
             "pp_tps": round(rec.expected_pp_tps, 3) if rec.expected_pp_tps else None,
             "tg_tps": round(rec.expected_tg_tps, 3) if rec.expected_tg_tps else None,
