@@ -48,12 +48,11 @@ def _check_reachable(address: str) -> None:
 
 def _use_token() -> None:
     """Present the fleet's token: $FLEETTUNE_RAY_TOKEN, or the one `head start` saved here."""
-    from orchestrator.db.session import data_dir
+    from orchestrator.fleet import saved_token
 
     token = os.environ.get("FLEETTUNE_RAY_TOKEN")
-    saved = data_dir() / "ray_token"
-    if not token and not os.environ.get("RAY_AUTH_TOKEN") and saved.is_file():
-        token = saved.read_text().strip()
+    if not token and not os.environ.get("RAY_AUTH_TOKEN"):
+        token = saved_token()
     if not token:
         return
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
