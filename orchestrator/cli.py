@@ -165,7 +165,7 @@ def model_push(model_ref, chip_key, address, db_url, fmt) -> None:
     info = registry.resolve(_open_db(db_url), model_ref)
     started = dispatch.connect(address or "auto")
     try:
-        nodes = [n for n in dispatch.bench_nodes(chip_key) if "fleettune.io/simulate" not in n.labels]
+        nodes = [n for n in dispatch.bench_nodes(chip_key) if not n.simulated]
         outcome = dispatch.push_model(info.path, info.sha256, nodes)
     finally:
         if started:

@@ -31,6 +31,10 @@ class BenchNode:
     address: str
     labels: dict
 
+    @property
+    def simulated(self) -> bool:
+        return agent.SIMULATE_LABEL in self.labels
+
 
 def _check_reachable(address: str) -> None:
     """Fail fast with one line instead of letting ray.init retry an unreachable head for minutes."""

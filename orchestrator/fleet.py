@@ -14,6 +14,7 @@ from pathlib import Path
 
 from orchestrator.db import Database, repo
 from orchestrator.db.session import data_dir
+from workers.agent import HOSTNAME_LABEL, SIMULATE_LABEL
 from workers.errors import BadInput
 from workers.join import BENCH_RESOURCE, CHIP_LABEL, run_ray
 
@@ -132,11 +133,11 @@ def fleet_status(db: Database) -> list[NodeStatus]:
         for node_id, (state, chip, labels) in sorted(states.items(), key=lambda kv: (kv[1][1] or "", kv[0])):
             row = known.get(node_id)
             out.append(NodeStatus(
-                hostname=row.hostname if row else labels.get("fleettune.io/hostname", "?"),
+                hostname=row.hostname if row else labels.get(HOSTNAME_LABEL, "?"),
                 ray_node_id=node_id,
                 chip=chip,
                 state=state,
-                simulated=bool(row.simulated) if row else "fleettune.io/simulate" in labels,
+                simulated=bool(row.simulated) if row else SIMULATE_LABEL in labels,
                 trials_done=done.get(row.id, 0) if row else 0,
                 last_seen=row.last_seen if row else None,
                 slow_by=slow.get(row.id) if row else None,

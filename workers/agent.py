@@ -16,6 +16,7 @@ from workers import bench
 from workers.hardware import fingerprint_live
 from workers.trial import TrialResult, TrialSpec
 
+HOSTNAME_LABEL = "fleettune.io/hostname"  # optional: a name to show instead of the OS hostname
 SIMULATE_LABEL = "fleettune.io/simulate"  # value: a chip bin as "M2_Ultra.76.192"
 SCENARIO_LABEL = "fleettune.io/scenario"
 TIME_SCALE_LABEL = "fleettune.io/time-scale"
@@ -76,7 +77,7 @@ def node_info() -> NodeInfo:
     sim = simulated_node(node_id, labels)
     return NodeInfo(
         ray_node_id=node_id,
-        hostname=labels.get("fleettune.io/hostname") or socket.gethostname(),
+        hostname=labels.get(HOSTNAME_LABEL) or socket.gethostname(),
         fingerprint=sim.chip.fingerprint() if sim else fingerprint_live().to_dict(),
         llama_build=sim.backend_info() if sim else bench.llama_build_info(),
         simulated=sim is not None,
@@ -94,7 +95,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
         time.sleep(spec.cooldown_s)  # let the machine cool between trials; not synchronisation
     result = sim.measure(spec) if sim else bench.measure(spec)
     result.node_id = node_id
-    result.hostname = labels.get("fleettune.io/hostname") or socket.gethostname()
+    result.hostname = labels.get(HOSTNAME_LABEL) or socket.gethostname()
     return result
 
 
