@@ -14,6 +14,7 @@ import click
 
 from orchestrator.report import FORMATS, Column, human_bytes, human_params, render, render_record
 from workers.errors import BadInput, FleettuneError
+from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 
 EXIT_BAD_INPUT = 2
 EXIT_PAUSED = 3
@@ -140,6 +141,26 @@ def model_add(path: str, db_url: str | None, fmt: str) -> None:
 
     info = registry.register(_open_db(db_url), path)
     click.echo(render([_model_row(info)], MODEL_COLUMNS, fmt))
+
+
+@model.command("synth")
+@click.option("--shape", type=click.Choice(sorted(ARCH_SHAPES)), required=True,
+              help="Architecture whose tensor shapes the file takes.")
+@click.option("--quant", type=click.Choice(SYNTH_QUANTS), default="q4_0", show_default=True)
+@click.option("--vocab-from", metavar="GGUF", help="Real GGUF (or model) whose tokenizer to copy "
+              "(default: smollm2-135m).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("-o", "--output", "out", type=click.Path(), required=True, help="File (or folder) to write.")
+@db_option
+@output_options()
+def model_synth(shape, quant, vocab_from, seed, out, db_url, fmt) -> None:
+    """Write a GGUF with a real model's shapes and random weights (benchmarks like the real one)."""
+    from orchestrator import registry
+
+    info = registry.synth(_open_db(db_url), shape, quant, out, vocab_from, seed)
+    click.echo(render([_model_row(info)], MODEL_COLUMNS, fmt))
+    if fmt == "table":
+        click.echo(f"path: {info.path}")
 
 
 @model.command("list")

@@ -82,3 +82,20 @@ def fetch(db: Database, name: str, dest: str | os.PathLike | None = None) -> Mod
 def list_all(db: Database) -> list[ModelInfo]:
     with db.session() as s:
         return [repo.model_info_of(m) for m in repo.list_models(s)]
+
+
+def synth(db: Database, shape: str, quant: str, out: str | os.PathLike, vocab_from: str | None = None,
+          seed: int = 0) -> ModelInfo:
+    """Write a shape-faithful synthetic GGUF and register it.
+
+    The tokenizer is borrowed from ``vocab_from`` (a path or a model reference); by default from
+    the known real model smollm2-135m, which must have been fetched.
+    """
+    from workers.models import synthesize
+
+    source = resolve(db, vocab_from or "smollm2-135m")
+    out_path = Path(out).expanduser()
+    if out_path.is_dir():
+        out_path = out_path / f"synthetic-{shape}-{quant.lower()}.gguf"
+    info = synthesize(shape, quant, source.path, out_path, seed=seed)
+    return register(db, info.path)

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
@@ -84,6 +84,24 @@ class SearchSpace:
             values["flash_attn"] = params.flash_attn
         return values
 
+    def clip(self, params: BenchParams) -> BenchParams:
+        """The nearest configuration inside this space (for configs learnt elsewhere)."""
+        batches = self.batch_choices
+
+        def nearest(value: int) -> int:
+            return min(batches, key=lambda b: (abs(b - value), b))
+
+        batch = nearest(params.n_batch)
+        return replace(
+            params,
+            n_gpu_layers=min(max(params.n_gpu_layers, 0), self.ngl_max),
+            n_threads=min(max(params.n_threads, 1), self.threads_max),
+            n_threads_batch=None,
+            n_batch=batch,
+            n_ubatch=min(nearest(params.n_ubatch), batch),
+            flash_attn=params.flash_attn and self.flash_attn,
+        )
+
     def grid(self, max_axis: int = 8) -> dict[str, list]:
         """A coarse grid over this space for the grid sampler (each axis at most ``max_axis``)."""
 
@@ -122,3 +140,16 @@ def llama_cpp_python_defaults(fp: Fingerprint) -> BenchParams:
         n_ubatch=512,
         flash_attn=False,
     )
+
+
+def full_offload(fp: Fingerprint, model: ModelInfo, space: SearchSpace) -> BenchParams | None:
+    """Every layer on the GPU with llama-cpp-python's other defaults: the usual hand-tuned choice.
+
+    None where this machine cannot offload. Measured in every GPU study so the gain over it is known.
+    """
+    if space.ngl_max == 0:
+        return None
+    base = llama_cpp_python_defaults(fp)
+    batch = min(base.n_batch, max(space.batch_choices))
+    return replace(base, n_gpu_layers=space.ngl_max, n_batch=batch, n_ubatch=batch,
+                   n_threads_batch=None)

@@ -30,7 +30,7 @@ from orchestrator.samplers import (
     make_sampler,
     resolve_sampler,
 )
-from orchestrator.space import SearchSpace, llama_cpp_python_defaults
+from orchestrator.space import SearchSpace, full_offload, llama_cpp_python_defaults
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
@@ -64,6 +64,7 @@ class StudyConfig:
     timeout_s: float = 600.0
     cooldown_s: float = 0.0
     confirm_top: int = 3
+    warm_start: tuple[BenchParams, ...] = ()  # measured first, before the sampler proposes
 
     def validate(self) -> None:
         if self.objective not in learn.OBJECTIVES:
@@ -202,7 +203,21 @@ class StudyRunner:
                 )
                 self.study_id = study.id
         self.optuna_study = self._optuna_study()
+        if existing is None and resolve_sampler(self.cfg.sampler) != "grid":  # a grid covers it all
+            self._enqueue_starts()
         self._reconcile_optuna()
+
+    def _enqueue_starts(self) -> None:
+        """A new study first measures full offload (where the GPU can take layers), then the warm
+        start configurations, then lets its sampler propose; each distinct config once."""
+        reference = full_offload(self.target.fingerprint, self.cfg.model, self.space)
+        seen = set()
+        for params in [p for p in (reference, *self.cfg.warm_start) if p is not None]:
+            values = self.space.optuna_params(self.space.clip(params))
+            key = tuple(sorted(values.items()))
+            if key not in seen:
+                seen.add(key)
+                self.optuna_study.enqueue_trial(values)
 
     def _check_same(self, study, chip, model) -> None:
         cfg = self.cfg

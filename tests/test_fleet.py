@@ -197,3 +197,26 @@ def test_model_push(sqlite_url, model_path, model_info, fleet_cluster, tmp_path)
     agent.write_model_chunk(dest + "2", 0, data[:1000])
     assert not agent.finish_model(dest + "2", model_info.sha256)
     assert not os.path.exists(dest + "2") and not os.path.exists(dest + "2.part")
+
+
+def test_a_gpu_study_measures_full_offload_and_the_warm_start_first(sqlite_url, fleet_cluster):
+    from orchestrator.tune import tune
+    from workers.trial import BenchParams
+
+    db = open_database(sqlite_url)
+    model = sim_model_info("sim://llama2-7b/q4_0")
+    warm = (BenchParams(n_gpu_layers=20, n_threads=6, n_batch=100, n_ubatch=64),  # batch off the grid
+            BenchParams(n_gpu_layers=999, n_threads=6, n_batch=512, n_ubatch=512))  # clipped: full offload
+    workload = Workload(n_prompt=256, n_gen=16, reps=1)  # batches 32..256
+    cfg = StudyConfig(model=model, workload=workload, n_trials=4, seed=3, warm_start=warm)
+    outcome = tune(db, cfg, chip_key=SIM_CHIPS["M1 Pro/16"])
+    with db.session() as s:
+        study = repo.get_study(s, outcome.name)
+        rows = sorted(repo.study_trials(s, study.id, "search"), key=lambda r: r.optuna_number)
+        first = [(r.params["n_gpu_layers"], r.params["n_threads"], r.params["n_batch"]) for r in rows[:2]]
+        ngl_max = study.space["ngl_max"]
+    assert ngl_max == model.n_layer + 1
+    # full offload with llama-cpp-python's default threads, then the warm config moved onto the grid;
+    # the second warm config is the same as full offload once clipped, so it is not measured twice
+    assert first == [(ngl_max, 5, 256), (20, 6, 128)]
+    assert len(rows) == 4

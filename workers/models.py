@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from workers.errors import BadInput
 
 GGUF_MAGIC = b"GGUF"
@@ -91,18 +93,27 @@ def file_type_name(code: int | None) -> str:
         return f"type{code}"
 
 
-def read_model_info(path: str | os.PathLike, sha256: str | None = None) -> ModelInfo:
-    """Read a GGUF file's metadata; a missing, non-GGUF or corrupt file is BadInput."""
+def open_gguf(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` for the file; a missing, non-GGUF or unreadable file is BadInput."""
     file = Path(path)
     if not file.is_file():
         raise BadInput(f"{path}: no such model file")
     with open(file, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise BadInput(f"{path}: not a GGUF file")
-    try:
-        import gguf
+    import gguf
 
-        reader = gguf.GGUFReader(str(file))
+    try:
+        return gguf.GGUFReader(str(file))
+    except Exception as exc:  # gguf raises many kinds of error on a damaged file
+        raise BadInput(f"{path}: corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def read_model_info(path: str | os.PathLike, sha256: str | None = None) -> ModelInfo:
+    """Read a GGUF file's metadata; a missing, non-GGUF or corrupt file is BadInput."""
+    file = Path(path)
+    reader = open_gguf(file)
+    try:
         arch = _field(reader, "general.architecture")
         n_layer = _field(reader, f"{arch}.block_count")
         if not arch or n_layer is None:
@@ -187,3 +198,200 @@ def _atomic_copy(src: Path, dest: Path) -> None:
     part = dest.with_suffix(".part")
     shutil.copyfile(src, part)
     os.replace(part, dest)
+
+
+# --- Shape-faithful synthetic models ------------------------------------------------------------
+#
+# llama.cpp's speed depends on tensor shapes and types, never on weight values, so a GGUF with a
+# real architecture's shapes and random (valid) quantised blocks benchmarks like the real file
+# without downloading it. The tokenizer comes from a real GGUF so the file loads and decodes.
+
+
+@dataclass(frozen=True)
+class ArchShape:
+    """A llama-architecture model's hyper-parameters (what its tensors' shapes follow from)."""
+
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    n_ctx: int
+    rope_theta: float
+    norm_eps: float = 1e-5
+
+
+ARCH_SHAPES = {
+    "llama2-7b": ArchShape(32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+    "llama3-8b": ArchShape(32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+    "llama2-13b": ArchShape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
+    "tiny": ArchShape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
+}
+
+# Bytes of one block and values per block, for the types the writer emits (ggml's layouts).
+_BLOCKS = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q6_k": (210, 256)}
+_FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1}  # llama.cpp's general.file_type
+SYNTH_QUANTS = tuple(_FILE_TYPES)
+_WEIGHT_STD = 0.02  # typical |w| of a trained llama; keeps activations finite through the layers
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    rows: int  # output features (numpy's first axis; ggml's ne[1])
+    cols: int  # input features (ggml's ne[0])
+    qtype: str  # "f32", "f16" or a key of _BLOCKS
+
+    @property
+    def n_elements(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype in ("f32", "f16"):
+            return self.n_elements * (4 if self.qtype == "f32" else 2)
+        block_bytes, block_values = _BLOCKS[self.qtype]
+        return self.n_elements // block_values * block_bytes
+
+
+def synth_plan(shape: ArchShape, quant: str, n_vocab: int | None = None) -> list[TensorPlan]:
+    """The tensors llama.cpp's quantizer would write for this shape, in its type choices.
+
+    Like ``llama-quantize``: norms stay f32, the output projection of a 4-bit file is Q6_K (Q8_0
+    when the embedding is not a multiple of 256), everything else takes the file's type.
+    """
+    quant = quant.lower()
+    if quant not in _FILE_TYPES:
+        raise BadInput(f"cannot synthesise {quant!r}; choose from {', '.join(SYNTH_QUANTS)}")
+    vocab = n_vocab or shape.n_vocab
+    embd, kv = shape.n_embd, shape.n_embd * shape.n_head_kv // shape.n_head
+    output_type = quant
+    if quant in ("q4_0", "q4_1"):
+        output_type = "q6_k" if embd % 256 == 0 else "q8_0"
+    plan = [TensorPlan("token_embd.weight", vocab, embd, quant)]
+    for i in range(shape.n_layer):
+        block = f"blk.{i}."
+        plan += [
+            TensorPlan(block + "attn_norm.weight", 1, embd, "f32"),
+            TensorPlan(block + "attn_q.weight", embd, embd, quant),
+            TensorPlan(block + "attn_k.weight", kv, embd, quant),
+            TensorPlan(block + "attn_v.weight", kv, embd, quant),
+            TensorPlan(block + "attn_output.weight", embd, embd, quant),
+            TensorPlan(block + "ffn_norm.weight", 1, embd, "f32"),
+            TensorPlan(block + "ffn_gate.weight", shape.n_ff, embd, quant),
+            TensorPlan(block + "ffn_up.weight", shape.n_ff, embd, quant),
+            TensorPlan(block + "ffn_down.weight", embd, shape.n_ff, quant),
+        ]
+    plan += [TensorPlan("output_norm.weight", 1, embd, "f32"),
+             TensorPlan("output.weight", vocab, embd, output_type)]
+    for tensor in plan:
+        if tensor.qtype in _BLOCKS and tensor.cols % _BLOCKS[tensor.qtype][1]:
+            raise BadInput(f"{tensor.name}: {tensor.cols} columns do not fill {tensor.qtype} blocks")
+    return plan
+
+
+def _random_tensor(tensor: TensorPlan, rng) -> np.ndarray:
+    """Random values in ggml's layout for the tensor's type, every scale finite and non-zero."""
+    if tensor.qtype == "f32":
+        return np.ones((tensor.rows, tensor.cols), dtype=np.float32)
+    if tensor.qtype == "f16":
+        return (rng.standard_normal((tensor.rows, tensor.cols), dtype=np.float32) * _WEIGHT_STD
+                ).astype(np.float16)
+    block_bytes, block_values = _BLOCKS[tensor.qtype]
+    n_blocks = tensor.n_elements // block_values
+    blocks = np.frombuffer(rng.bytes(n_blocks * block_bytes), dtype=np.uint8).reshape(n_blocks, block_bytes).copy()
+
+    def scales(spread: float) -> np.ndarray:  # fp16 scales in [0.5, 1.5) x the typical step
+        return ((rng.random(n_blocks, dtype=np.float32) + 0.5) * spread).astype(np.float16).view(np.uint8)
+
+    if tensor.qtype == "q4_0":  # d, then 32 4-bit quants: w = d * (q - 8)
+        blocks[:, 0:2] = scales(_WEIGHT_STD / 4.6).reshape(n_blocks, 2)
+    elif tensor.qtype == "q4_1":  # d, m, then 32 4-bit quants: w = d * q + m
+        blocks[:, 0:2] = scales(_WEIGHT_STD / 4.6).reshape(n_blocks, 2)
+        blocks[:, 2:4] = (np.full(n_blocks, -8 * _WEIGHT_STD / 4.6, dtype=np.float16)).view(np.uint8).reshape(n_blocks, 2)
+    elif tensor.qtype == "q8_0":  # d, then 32 int8 quants
+        blocks[:, 0:2] = scales(_WEIGHT_STD / 74).reshape(n_blocks, 2)
+    elif tensor.qtype == "q6_k":  # ql, qh, 16 int8 sub-scales, then d last
+        blocks[:, 208:210] = scales(_WEIGHT_STD / (18.5 * 74)).reshape(n_blocks, 2)
+    return blocks.reshape(tensor.rows, -1)
+
+
+def _copy_tokenizer(writer, vocab_path: str | os.PathLike) -> int:
+    """Copy every tokenizer.* key of a real GGUF into the writer; returns the vocabulary size."""
+    import gguf
+
+    reader = open_gguf(vocab_path)
+    n_vocab = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+    if not n_vocab:
+        raise BadInput(f"{vocab_path}: has no tokenizer.ggml.tokens to borrow")
+    return n_vocab
+
+
+def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: str | os.PathLike,
+               seed: int = 0) -> ModelInfo:
+    """Write a GGUF with ``shape_name``'s shapes, random ``quant`` weights and a real tokenizer.
+
+    The file is streamed tensor by tensor (an 8B model never sits in memory) to ``out``.part and
+    renamed when complete, so a failure never leaves a half-written model behind.
+    """
+    import gguf
+
+    if shape_name not in ARCH_SHAPES:
+        raise BadInput(f"unknown shape {shape_name!r}; known: {', '.join(ARCH_SHAPES)}")
+    shape = ARCH_SHAPES[shape_name]
+    target = Path(out)
+    if not target.parent.is_dir():
+        raise BadInput(f"{target.parent}: no such directory")
+    part = target.with_name(target.name + ".part")
+    writer = gguf.GGUFWriter(str(part), "llama")
+    try:
+        n_vocab = _copy_tokenizer(writer, vocab_from)
+        plan = synth_plan(shape, quant, n_vocab)
+        writer.add_name(f"synthetic {shape_name} {quant.upper()}")
+        writer.add_file_type(_FILE_TYPES[quant.lower()])
+        if quant.lower() != "f16":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        writer.add_context_length(shape.n_ctx)
+        writer.add_embedding_length(shape.n_embd)
+        writer.add_block_count(shape.n_layer)
+        writer.add_feed_forward_length(shape.n_ff)
+        writer.add_head_count(shape.n_head)
+        writer.add_head_count_kv(shape.n_head_kv)
+        writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+        writer.add_rope_freq_base(shape.rope_theta)
+        writer.add_layer_norm_rms_eps(shape.norm_eps)
+        writer.add_vocab_size(n_vocab)
+        for tensor in plan:
+            if tensor.qtype in _BLOCKS:
+                byte_shape = (tensor.rows, tensor.n_elements // tensor.rows // _BLOCKS[tensor.qtype][1]
+                              * _BLOCKS[tensor.qtype][0])
+                writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), tensor.nbytes,
+                                       raw_dtype=gguf.GGMLQuantizationType[tensor.qtype.upper()])
+            else:
+                dtype = np.dtype(np.float32 if tensor.qtype == "f32" else np.float16)
+                shape_ = (tensor.cols,) if tensor.rows == 1 else (tensor.rows, tensor.cols)
+                writer.add_tensor_info(tensor.name, shape_, dtype, tensor.nbytes)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        for tensor in plan:
+            data = _random_tensor(tensor, rng)
+            writer.write_tensor_data(data.reshape(-1) if tensor.rows == 1 else data)
+        writer.close()
+        os.replace(part, target)
+    except BaseException:
+        writer.close()
+        part.unlink(missing_ok=True)
+        raise
+    return read_model_info(target)

@@ -39,6 +39,7 @@ import numpy as np
 
 from workers.errors import BadInput
 from workers.hardware import apple_bins, chip_table, slug
+from workers.models import ARCH_SHAPES
 from workers.trial import BenchParams, Sample, TrialResult, Workload
 
 GIB = 1024**3
@@ -177,10 +178,10 @@ class ModelShape:
         return self.bytes_of(self.n_params)
 
 
-NAMED_SHAPES = {
-    "llama2-7b": dict(n_layer=32, n_embd=4096, n_ff=11008, n_head=32, n_head_kv=32, n_vocab=32000),
-    "llama3-8b": dict(n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, n_vocab=128256),
-    "llama2-13b": dict(n_layer=40, n_embd=5120, n_ff=13824, n_head=40, n_head_kv=40, n_vocab=32000),
+NAMED_SHAPES = {  # the real architectures the synthetic writer knows (workers.models.ARCH_SHAPES)
+    name: dict(n_layer=a.n_layer, n_embd=a.n_embd, n_ff=a.n_ff, n_head=a.n_head,
+               n_head_kv=a.n_head_kv, n_vocab=a.n_vocab)
+    for name, a in ARCH_SHAPES.items() if name != "tiny"
 }
 
 

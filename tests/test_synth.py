@@ -1,0 +1,88 @@
+"""Shape-faithful synthetic GGUFs: a tiny one loads and decodes in llama.cpp; the 8B plan is the real size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from workers.errors import BadInput
+from workers.models import ARCH_SHAPES, read_model_info, synth_plan, synthesize
+
+GIB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, model_path):
+    out = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    return synthesize("tiny", "q4_0", model_path, out, seed=1)
+
+
+def test_tiny_shape_metadata(tiny_model, model_info):
+    shape = ARCH_SHAPES["tiny"]
+    assert tiny_model.architecture == "llama"
+    assert tiny_model.n_layer == shape.n_layer
+    assert tiny_model.n_embd == shape.n_embd
+    assert tiny_model.file_type == "Q4_0"
+    assert tiny_model.n_vocab == model_info.n_vocab  # the tokenizer is the real model's
+    assert tiny_model.n_params == sum(t.n_elements for t in synth_plan(shape, "q4_0", model_info.n_vocab))
+
+
+def test_tiny_model_decodes_with_finite_logits(tiny_model):
+    from llama_cpp import Llama
+
+    llm = Llama(tiny_model.path, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog")
+    llm.eval(tokens)
+    logits = np.asarray(llm.scores[: len(tokens)])
+    assert logits.shape == (len(tokens), tiny_model.n_vocab)
+    assert np.isfinite(logits).all()
+    assert logits.std() > 0  # random weights, not zeros: the logits differ between tokens
+    llm.close()
+
+
+def test_llama3_8b_plan_matches_the_real_model():
+    """llama.cpp's llama-bench reports Llama-3-8B Q4_0 as 4.33 GiB and 8.03 B parameters."""
+    shape = ARCH_SHAPES["llama3-8b"]
+    plan = synth_plan(shape, "q4_0")
+    assert sum(t.n_elements for t in plan) == 8_030_261_248  # Meta's published count, exactly
+    assert sum(t.nbytes for t in plan) / GIB == pytest.approx(4.33, abs=0.005)
+    assert sum(t.name.endswith("attn_q.weight") for t in plan) == shape.n_layer
+    assert next(t for t in plan if t.name == "output.weight").qtype == "q6_k"  # as llama-quantize does
+
+
+def test_borrowed_vocabulary_changes_only_the_embedding_and_output(model_info):
+    shape = ARCH_SHAPES["llama3-8b"]
+    real = sum(t.nbytes for t in synth_plan(shape, "q4_0"))
+    borrowed = sum(t.nbytes for t in synth_plan(shape, "q4_0", model_info.n_vocab))
+    per_token = shape.n_embd * (18 / 32 + 210 / 256)  # one Q4_0 embedding row + one Q6_K output row
+    assert real - borrowed == pytest.approx((shape.n_vocab - model_info.n_vocab) * per_token)
+
+
+def test_unknown_quant_and_shape_are_bad_input(tmp_path, model_path):
+    with pytest.raises(BadInput, match="cannot synthesise"):
+        synth_plan(ARCH_SHAPES["tiny"], "q3_k")
+    with pytest.raises(BadInput, match="unknown shape"):
+        synthesize("gpt5", "q4_0", model_path, tmp_path / "x.gguf")
+
+
+def test_a_write_that_fails_midway_leaves_nothing(tmp_path, model_path, monkeypatch):
+    from workers import models
+
+    real_random_tensor, written = models._random_tensor, []
+
+    def fail_on_the_third(tensor, rng):
+        written.append(tensor.name)
+        if len(written) == 3:
+            raise OSError("disk full")
+        return real_random_tensor(tensor, rng)
+
+    monkeypatch.setattr(models, "_random_tensor", fail_on_the_third)
+    with pytest.raises(OSError, match="disk full"):
+        synthesize("tiny", "q4_0", model_path, tmp_path / "out.gguf")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its .part
+
+
+@pytest.mark.parametrize("quant", ["q4_1", "q8_0", "f16"])
+def test_other_quantisations_read_back(tmp_path, model_path, quant):
+    info = synthesize("tiny", quant, model_path, tmp_path / f"tiny-{quant}.gguf")
+    assert read_model_info(info.path).file_type == quant.upper()
