@@ -168,6 +168,8 @@ class _Llama:
         Without one, ggml starts its threads per graph, which costs a small model up to ~15 %
         at 2 threads. llama-cpp-python does not bind these calls, so they go through ctypes.
         """
+        if os.environ.get("FLEETTUNE_THREADPOOL") == "0":
+            return
         lib_dir = Path(self.lib.__file__).parent / "lib"
         candidates = sorted(lib_dir.glob("libggml-cpu.*")) + sorted(lib_dir.glob("ggml-cpu.*"))
         if not candidates:

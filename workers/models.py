@@ -17,10 +17,12 @@ import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from workers.errors import BadInput
+
+if TYPE_CHECKING:  # numpy is imported lazily: see _random_tensor
+    import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 
@@ -293,6 +295,9 @@ def synth_plan(shape: ArchShape, quant: str, n_vocab: int | None = None) -> list
 
 def _random_tensor(tensor: TensorPlan, rng) -> np.ndarray:
     """Random values in ggml's layout for the tensor's type, every scale finite and non-zero."""
+    # numpy stays out of this module's imports: the bench subprocess imports it, and a numpy
+    # loaded before llama.cpp's CUDA build crashed model loading (SIGSEGV) on an H200 machine.
+    import numpy as np
     if tensor.qtype == "f32":
         return np.ones((tensor.rows, tensor.cols), dtype=np.float32)
     if tensor.qtype == "f16":
@@ -345,6 +350,7 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
     renamed when complete, so a failure never leaves a half-written model behind.
     """
     import gguf
+    import numpy as np
 
     if shape_name not in ARCH_SHAPES:
         raise BadInput(f"unknown shape {shape_name!r}; known: {', '.join(ARCH_SHAPES)}")
