@@ -441,6 +441,75 @@ def best(model_ref, chip, objective, db_url, fmt) -> None:
                        + ", ".join(f"{k}={v!r}" for k, v in row["llama_cpp_python"].items()) + ")")
 
 
+# ---------------------------------------------------------------- plots
+
+
+@main.group()
+def plot() -> None:
+    """Pictures of results, as PNG or self-contained HTML (by the file's extension)."""
+
+
+def _plot_output(func):
+    return click.option("-o", "--output", "out", type=click.Path(dir_okay=False), required=True,
+                        help="File to write: .png or .html.")(func)
+
+
+def _saved(figure, out: str) -> None:
+    from orchestrator import plots
+
+    click.echo(f"wrote {plots.save(figure, out)}")
+
+
+@plot.command("heatmap")
+@click.option("--study", required=True, help="Study name.")
+@click.option("--metric", type=click.Choice(["tg", "pp", "objective"]), default="tg", show_default=True)
+@click.option("--x", "x_axis", type=click.Choice(["threads", "ngl", "batch", "ubatch"]), default="threads",
+              show_default=True)
+@click.option("--y", "y_axis", type=click.Choice(["ngl", "threads", "batch", "ubatch"]), default="ngl",
+              show_default=True)
+@_plot_output
+@db_option
+def plot_heatmap(study, metric, x_axis, y_axis, out, db_url) -> None:
+    """A study's landscape: best value per (ngl, threads) cell, the best point starred."""
+    from orchestrator import plots
+
+    _saved(plots.heatmap(_open_db(db_url), study, metric, x_axis, y_axis), out)
+
+
+@plot.command("history")
+@click.option("--study", required=True, help="Study name.")
+@_plot_output
+@db_option
+def plot_history(study, out, db_url) -> None:
+    """Each search trial's objective and the best so far."""
+    from orchestrator import plots
+
+    _saved(plots.history(_open_db(db_url), study), out)
+
+
+@plot.command("importance")
+@click.option("--study", required=True, help="Study name.")
+@_plot_output
+@db_option
+def plot_importance(study, out, db_url) -> None:
+    """How much each parameter matters to the objective (Optuna's fANOVA)."""
+    from orchestrator import plots
+
+    _saved(plots.importance(_open_db(db_url), study), out)
+
+
+@plot.command("chips")
+@click.option("--model", "model_ref", required=True, help="Model name, sha256 prefix or path.")
+@click.option("--objective", help="tg | pp | e2e (default: all).")
+@_plot_output
+@db_option
+def plot_chips(model_ref, objective, out, db_url) -> None:
+    """The recommended configuration and its expected speed, per chip."""
+    from orchestrator import plots
+
+    _saved(plots.chips(_open_db(db_url), model_ref, objective), out)
+
+
 # ---------------------------------------------------------------- fleet: head, workers
 
 

@@ -120,3 +120,13 @@ def test_workload_limits(model_info):
         validate_workload(Workload(n_prompt=0, n_gen=0), model_info)
     with pytest.raises(BadInput, match="context"):
         validate_workload(Workload(n_prompt=9000, n_gen=0), model_info)
+
+
+def test_the_measuring_subprocess_loads_no_numpy_before_llama_cpp():
+    """A numpy loaded before llama.cpp crashed the CUDA build's model load (seen on an H200)."""
+    import subprocess
+    import sys
+
+    code = "import sys, workers.bench; print('numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
