@@ -16,6 +16,8 @@ from orchestrator.report import FORMATS, Column, human_bytes, human_params, rend
 from workers.errors import BadInput, FleettuneError
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 
+EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
+
 EXIT_BAD_INPUT = 2
 EXIT_PAUSED = 3
 
@@ -465,12 +467,12 @@ def _saved(figure, out: str) -> None:
 @click.option("--metric", type=click.Choice(["tg", "pp", "objective"]), default="tg", show_default=True)
 @click.option("--x", "x_axis", type=click.Choice(["threads", "ngl", "batch", "ubatch"]), default="threads",
               show_default=True)
-@click.option("--y", "y_axis", type=click.Choice(["ngl", "threads", "batch", "ubatch"]), default="ngl",
-              show_default=True)
+@click.option("--y", "y_axis", type=click.Choice(["ngl", "threads", "batch", "ubatch"]),
+              help="Default: ngl, or batch where the GPU takes no layers.")
 @_plot_output
 @db_option
 def plot_heatmap(study, metric, x_axis, y_axis, out, db_url) -> None:
-    """A study's landscape: best value per (ngl, threads) cell, the best point starred."""
+    """A study's landscape: best value per (threads, ngl) cell, the best point starred."""
     from orchestrator import plots
 
     _saved(plots.heatmap(_open_db(db_url), study, metric, x_axis, y_axis), out)
@@ -508,6 +510,80 @@ def plot_chips(model_ref, objective, out, db_url) -> None:
     from orchestrator import plots
 
     _saved(plots.chips(_open_db(db_url), model_ref, objective), out)
+
+
+# ---------------------------------------------------------------- llama-bench interop
+
+
+@main.group("import")
+def import_() -> None:
+    """Bring other tools' results into the results database."""
+
+
+@import_.command("llama-bench")
+@click.argument("path", type=click.Path())
+@click.option("--chip", "chip_key", help="Chip key of the machine that ran it (default: from its "
+              "cpu_info/gpu_info).")
+@click.option("--model", "model_ref", help="The model it measured, if registered here (default: matched "
+              "by file name, else recorded unverified).")
+@db_option
+@output_options()
+def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
+    """Import llama-bench output (-o json, jsonl or csv) as trials of its chip and model."""
+    from orchestrator import llamabench, registry
+
+    db = _open_db(db_url)
+    model_info = registry.resolve(db, model_ref) if model_ref else None
+    report = llamabench.import_file(db, path, chip_key=chip_key, model=model_info)
+    for line, reason in report.problems:
+        click.echo(f"{path}:{line}: skipped: {reason}", err=True)
+    record = {"trials": report.trials, "rows": report.rows, "skipped": len(report.problems),
+              "studies": report.studies}
+    click.echo(render_record(record, fmt))
+    if not report.trials:
+        raise BadInput(f"{path}: nothing imported")
+
+
+@main.command("export")
+@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), default="llama-bench-json",
+              show_default=True)
+@click.option("--study", help="Study name.")
+@click.option("--chip", help="Chip key (or its prefix).")
+@click.option("--model", "model_ref", help="Model name or sha256 prefix.")
+@click.option("--simulated", is_flag=True, help="Export simulated trials (never mixed with real ones).")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="File (default: stdout).")
+@db_option
+def export(fmt, study, chip, model_ref, simulated, out, db_url) -> None:
+    """Write trials as llama-bench would have printed them (JSON, JSONL, CSV) or its markdown table."""
+    from orchestrator import llamabench, queries
+
+    trials = queries.export_rows(_open_db(db_url), chip=chip, model=model_ref, study=study,
+                                 simulated=simulated)
+    text = llamabench.write(llamabench.export_records(trials), fmt)
+    if out:
+        from pathlib import Path
+
+        part = Path(out).with_name(Path(out).name + ".part")
+        part.write_text(text)
+        part.replace(out)
+        click.echo(f"wrote {len(trials)} trials to {out}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@db_option
+def dashboard(host, port, db_url) -> None:
+    """Open the results database's studies in optuna-dashboard (extra `dashboard`)."""
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise BadInput("optuna-dashboard is not installed: pip install 'fleettune[dashboard]'") from None
+    database = _open_db(db_url)
+    click.echo(f"optuna-dashboard for {database.display_url} on http://{host}:{port}/", err=True)
+    optuna_dashboard.run_server(database.url_string, host=host, port=port)
 
 
 # ---------------------------------------------------------------- fleet: head, workers

@@ -45,6 +45,8 @@ def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = Fals
     """Start the Ray head bound to ``host`` (loopback by default) with a new token."""
     if not 1 <= port <= 65535:
         raise BadInput(f"port {port}: must be 1..65535")
+    if _listening(host, port):
+        raise BadInput(f"{host}:{port} is already in use (another Ray head, or Redis?); pass --port")
     token = new_token()
     run_ray(
         [
@@ -55,6 +57,16 @@ def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = Fals
         token,
     )
     return f"{host}:{port}", token
+
+
+def _listening(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)

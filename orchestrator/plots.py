@@ -84,10 +84,15 @@ def _metric(rows: list[dict], metric: str) -> tuple[str, str, bool]:
 
 
 def heatmap(db: Database, study: str, metric: str = "tg", x_axis: str = "threads",
-            y_axis: str = "ngl") -> Heatmap:
-    """Each cell: the best value measured at that (x, y), over every other parameter."""
+            y_axis: str | None = None) -> Heatmap:
+    """Each cell: the best value measured at that (x, y), over every other parameter.
+
+    The y axis defaults to ngl, or to batch on a machine that cannot offload (one ngl value).
+    """
     rows = _study_rows(db, study)
     key, label, higher = _metric(rows, metric)
+    if y_axis is None:
+        y_axis = "ngl" if len({r["params"]["n_gpu_layers"] for r in rows}) > 1 else "batch"
     for axis in (x_axis, y_axis):
         if axis not in AXES:
             raise BadInput(f"unknown axis {axis!r}; choose from {', '.join(AXES)}")

@@ -84,3 +84,33 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
                 "created_at": rec.created_at,
             })
         return rows
+
+
+def export_rows(db: Database, *, chip: str | None = None, model: str | None = None,
+                study: str | None = None, simulated: bool = False) -> list[dict]:
+    """Completed trials with what llama-bench's rows need: samples, chip, backend, build, model."""
+    from orchestrator.llamabench import utc_iso
+
+    flt = repo.ResultFilter(chip=chip, model=model, study=study, state="complete", top=None,
+                            simulated=simulated)  # never real and simulated rows in one file
+    with db.session() as s:
+        return [
+            {
+                "params": t.params,
+                "samples": [{"kind": x.kind, "n_tokens": x.n_tokens, "seconds": x.seconds} for x in t.samples],
+                "chip": t.study.chip.key,
+                "chip_name": t.study.chip.name,
+                "gpu_name": t.study.chip.gpu_name,
+                "backend": t.study.chip.backend,
+                "llama_build": t.node.llama_build if t.node else None,
+                "model": t.study.model.name,
+                "model_path": t.study.model.path,
+                "architecture": t.study.model.architecture,
+                "file_type": t.study.model.file_type,
+                "model_size": t.study.model.size_bytes,
+                "model_n_params": t.study.model.n_params,
+                "started_at": utc_iso(t.started_at),
+                "simulated": t.simulated,
+            }
+            for t in repo.query_trials(s, flt)
+        ]

@@ -146,3 +146,15 @@ def test_bad_inputs(tuned_db, model_path, tmp_path):
 def test_bad_database_url_is_one_line():
     result = run("model", "list", "--db", "nosuch://x", ok=False)
     assert result.exit_code == 2 and result.stderr.startswith("error: bad database URL")
+
+
+def test_head_start_refuses_a_port_in_use():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(main, ["head", "start", "--port", str(port)])
+    assert result.exit_code == 2
+    assert f"127.0.0.1:{port} is already in use" in result.output

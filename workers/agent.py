@@ -21,6 +21,7 @@ SIMULATE_LABEL = "fleettune.io/simulate"  # value: a chip bin as "M2_Ultra.76.19
 SCENARIO_LABEL = "fleettune.io/scenario"
 TIME_SCALE_LABEL = "fleettune.io/time-scale"
 SPEED_LABEL = "fleettune.io/speed"  # a simulated node's speed relative to its chip (a degraded Mac)
+TRIAL_S_LABEL = "fleettune.io/trial-s"  # a simulated node whose every trial takes this many seconds
 
 _simulated_nodes: dict = {}  # per node id: its simulated Mac (keeps heat between trials)
 
@@ -63,6 +64,7 @@ def simulated_node(node_id: str, labels: dict):
             scenario=labels.get(SCENARIO_LABEL, "calibrated"),
             time_scale=float(labels.get(TIME_SCALE_LABEL, "0")),
             speed=float(labels.get(SPEED_LABEL, "1")),
+            trial_s=float(labels[TRIAL_S_LABEL]) if TRIAL_S_LABEL in labels else None,
             seed=int(node_id[:8], 16) if node_id else 0,
         )
         _simulated_nodes[node_id] = node

@@ -85,7 +85,8 @@ def run_ray(args: list[str], token: str | None, timeout: float = 120) -> str:
         raise FleettuneError(f"`ray {args[0]}` did not finish in {timeout:g}s") from None
     if done.returncode != 0:
         text = (done.stderr + done.stdout).strip().splitlines()
-        reason = next((line for line in text if "mismatch" in line.lower()), None)
+        telling = ("mismatch", "already in use", "failed to start", "error:")
+        reason = next((line for word in telling for line in text if word in line.lower()), None)
         reason = reason or next((line for line in reversed(text) if line.strip()), "no output")
         raise FleettuneError(f"`ray {args[0]}` failed: {reason.strip()}")
     return done.stdout

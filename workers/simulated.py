@@ -493,6 +493,7 @@ class SimulatedNode:
     heat: float = 0.0  # seconds of recent sustained load (fanless machines throttle)
     speed: float = 1.0  # relative to a healthy machine of the chip
     seed: int = 0
+    trial_s: float | None = None  # every trial takes exactly this long (dispatch benchmarks)
 
     THROTTLE_AFTER_S = 120.0
     THROTTLE_FACTOR = 0.75
@@ -532,7 +533,9 @@ class SimulatedNode:
                 samples.append(Sample(kind, rep, n_tokens, seconds))
                 sim_seconds += seconds
         self.heat = max(0.0, self.heat - spec.cooldown_s * 2) + sim_seconds
-        if self.time_scale > 0:
+        if self.trial_s:
+            time.sleep(self.trial_s)  # a fixed trial duration; not synchronisation
+        elif self.time_scale > 0:
             time.sleep(sim_seconds * self.time_scale)  # the trial's duration, scaled; not synchronisation
         return TrialResult(
             trial_key=spec.trial_key, ok=True, samples=samples, load_s=shape.file_bytes / 5e9,

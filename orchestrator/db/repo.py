@@ -219,6 +219,17 @@ def finish_trial(
         )
 
 
+def set_trial_llama_bench_stats(session: Session, trial_id: int, stats: dict[str, tuple[float, float]]) -> None:
+    """Keep llama-bench's own mean and stddev (per kind) on an imported trial."""
+    trial = session.get(Trial, trial_id)
+    for kind, (mean, stddev) in stats.items():
+        setattr(trial, f"{kind}_tps_mean", mean)
+        setattr(trial, f"{kind}_tps_stddev", stddev)
+        setattr(trial, f"{kind}_cv", stddev / mean if mean else None)
+        if getattr(trial, f"{kind}_tps_median") is None:
+            setattr(trial, f"{kind}_tps_median", mean)
+
+
 def fail_running_trials(session: Session, study_id: int, reason: str) -> list[int]:
     """Mark trials left RUNNING (e.g. by a killed driver) as failed; returns their Optuna numbers."""
     rows = list(session.scalars(select(Trial).where(Trial.study_id == study_id, Trial.state == "running")))
