@@ -36,6 +36,7 @@ FIELDS = [
 REQUIRED = ("model_filename", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "n_prompt", "n_gen",
             "avg_ts")
 IMPORT_PHASE = "import"
+ALL_LAYERS = 999  # llama.cpp takes any -ngl above the layer count as "all of them"
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,15 @@ def parse_record(line: int, record: dict) -> BenchRow:
     samples = record.get("samples_ns") or ()
     if isinstance(samples, str):  # not in llama-bench's CSV, but tolerated if someone adds it
         samples = [s for s in samples.replace(";", " ").split() if s]
+    ngl, n_batch, n_ubatch = _int(record, "n_gpu_layers"), _int(record, "n_batch"), _int(record, "n_ubatch")
+    if str(record.get("backends", "")).strip().upper() == "CPU":
+        ngl = 0  # a CPU-only build offloads nothing, whatever -ngl said (fleettune's CPU studies say 0)
+    elif ngl == -1:
+        ngl = ALL_LAYERS  # llama-bench's default -ngl -1: every layer
     params = BenchParams(
-        n_gpu_layers=_int(record, "n_gpu_layers"), n_threads=_int(record, "n_threads"),
-        n_batch=_int(record, "n_batch"), n_ubatch=_int(record, "n_ubatch"),
-        flash_attn=bool(_int(record, "flash_attn", 0) == 1),
+        n_gpu_layers=ngl, n_threads=_int(record, "n_threads"), n_batch=n_batch,
+        n_ubatch=min(n_ubatch, n_batch),  # llama.cpp clamps the micro-batch to the batch
+        flash_attn=_int(record, "flash_attn", 0) == 1,  # -1 (auto) is stored as off
     )
     if min(params.n_gpu_layers, params.n_threads - 1, params.n_batch - 1, params.n_ubatch - 1) < 0:
         raise ValueError("out-of-range parameters")
@@ -196,6 +202,21 @@ def parse_record(line: int, record: dict) -> BenchRow:
 
 
 # ---------------------------------------------------------------- importing
+
+
+def group_trials(rows: list[BenchRow]) -> list[list[BenchRow]]:
+    """One trial per configuration's pp row and tg row, in file order; a configuration measured
+    again later in the file (a repeated run) is another trial, not more samples of the first."""
+    groups: list[list[BenchRow]] = []
+    open_groups: dict[tuple, list[BenchRow]] = {}
+    for row in rows:
+        group = open_groups.get(row.config_key)
+        if group is None or any(r.kind == row.kind for r in group):
+            group = []
+            groups.append(group)
+            open_groups[row.config_key] = group
+        group.append(row)
+    return groups
 
 
 def _chip_fingerprint(row: BenchRow, chip_key: str | None) -> Fingerprint:
@@ -266,11 +287,9 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
     if not rows:
         return report
     with db.session() as s:  # one transaction: all of it or none
-        groups: dict[tuple, list[BenchRow]] = {}
-        for row in rows:
-            groups.setdefault(row.config_key, []).append(row)
+        groups = group_trials(rows)
         studies: dict[tuple, object] = {}
-        for trial_rows in groups.values():
+        for trial_rows in groups:
             first = trial_rows[0]
             fp = _chip_fingerprint(first, chip_key)
             info = _model_for(s, first, model)

@@ -33,13 +33,15 @@ def test_every_study_loads_through_optunas_public_api_and_the_dashboard(db_url, 
         assert {t.number: t.value for t in complete} == stored  # the same trials, the same values
         assert study.best_value == max(stored.values())  # tg: maximise
 
+    from wsgiref.util import setup_testing_defaults
+
     import optuna_dashboard
 
     app = optuna_dashboard.wsgi(db.url_string)
+    environ = {"PATH_INFO": "/api/studies", "wsgi.errors": io.StringIO()}
+    setup_testing_defaults(environ)
     status = []
-    body = app({"REQUEST_METHOD": "GET", "PATH_INFO": "/api/studies", "QUERY_STRING": "",
-                "SERVER_NAME": "test", "SERVER_PORT": "80", "wsgi.input": io.BytesIO(),
-                "wsgi.url_scheme": "http"}, lambda code, headers: status.append(code))
-    assert status[0].startswith("200")
-    listed = json.loads(b"".join(body))["studies"]
+    body = app(environ, lambda code, headers, exc_info=None: status.append(code))
+    assert status[0].startswith("200"), environ["wsgi.errors"].getvalue()
+    listed = json.loads(b"".join(body))["study_summaries"]
     assert {s["study_name"] for s in listed} == ours
