@@ -31,6 +31,7 @@ from orchestrator.samplers import (
     resolve_sampler,
 )
 from orchestrator.space import SearchSpace, full_offload, llama_cpp_python_defaults
+from orchestrator.storage import HeadStorage
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
@@ -244,7 +245,7 @@ class StudyRunner:
         return f"{base}#{n}"
 
     def _optuna_study(self) -> optuna.Study:
-        storage = RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url))
+        storage = HeadStorage(RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url)))
         sampler = make_sampler(self.cfg.sampler, self.space, self.budget, self.direction, self.cfg.seed)
         return optuna.create_study(
             study_name=self.name,
@@ -397,11 +398,13 @@ class StudyRunner:
     def _search(self) -> None:
         study = self.optuna_study
         inflight: dict = {}
+        # counted once here, then kept up to date locally: re-reading the study every round costs
+        # the head a database read per trial, which a large fleet of short trials notices
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        complete = sum(t.state == TrialState.COMPLETE for t in trials)
+        failed = len(trials) - complete
         try:
             while True:
-                trials = study.get_trials(deepcopy=False)
-                complete = sum(t.state == TrialState.COMPLETE for t in trials)
-                failed = sum(t.state == TrialState.FAIL for t in trials)
                 if failed >= max(5, self.budget):
                     raise StudyPaused(f"{failed} trials failed; see `fleettune results --study "
                                       f"'{self.name}' --state failed`")
@@ -426,12 +429,13 @@ class StudyRunner:
                     value = self._store(row_id, result)
                     if value is None:
                         study.tell(trial, state=TrialState.FAIL)
+                        failed += 1
                         if result.error == "node lost":
                             study.enqueue_trial(self.space.optuna_params(params))
                     else:
                         study.tell(trial, value)
-                    self._emit("search", complete + (value is not None), self.budget, inflight, failed,
-                               last=result)
+                        complete += 1
+                    self._emit("search", complete, self.budget, inflight, failed, last=result)
         except BaseException:
             self._abandon(inflight, lambda item: (item[0], item[1]))
             raise
