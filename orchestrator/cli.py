@@ -298,11 +298,14 @@ def _progress_printer(console):
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds before one trial is killed.")
 @click.option("--cooldown", default=0.0, show_default=True, help="Seconds of rest before each trial.")
 @click.option("--confirm-top", default=3, show_default=True, help="Top configurations to re-measure.")
+@click.option("--warm-start/--no-warm-start", "warm", default=True, show_default=True,
+              help="Measure first what the fleet predicts for this chip and the best configurations "
+                   "of the nearest known chips.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @db_option
 @output_options()
 def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler, study_name, resume,
-         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, quiet, db_url, fmt) -> None:
+         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from rich.console import Console
 
@@ -327,19 +330,19 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
             if not quiet and p.last is not None and p.phase == "search":
                 console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}")
 
-        outcomes = tune_all_chips(db, cfg, address=address, on_progress=report)
+        outcomes = tune_all_chips(db, cfg, address=address, on_progress=report, warm=warm)
         rows = [{**_outcome_record(o, cfg),
                  "expected": o.recommendation.expected_tps if o.recommendation else None}
                 for o in outcomes]
         click.echo(render(rows, ALL_CHIPS_COLUMNS, fmt))
         return
     if quiet or fmt != "table":
-        outcome = run_tune(db, cfg, address=address, chip_key=chip_key)
+        outcome = run_tune(db, cfg, address=address, chip_key=chip_key, warm=warm)
     else:
         progress, update = _progress_printer(console)
         with progress:
             outcome = run_tune(
-                db, cfg, address=address, chip_key=chip_key, on_progress=update,
+                db, cfg, address=address, chip_key=chip_key, on_progress=update, warm=warm,
                 on_ready=lambda r: console.print(f"study [bold]{r.name}[/] on {r.target.key} "
                                                  f"({db.display_url})"),
             )
@@ -441,6 +444,56 @@ def best(model_ref, chip, objective, db_url, fmt) -> None:
         for row in rows:
             click.echo(f"\n{row['chip']} ({row['objective']}): llama_cpp.Llama(model_path, "
                        + ", ".join(f"{k}={v!r}" for k, v in row["llama_cpp_python"].items()) + ")")
+
+
+# ---------------------------------------------------------------- schedules
+
+
+RECOMMEND_COLUMNS = [
+    Column("chip", "chip"),
+    Column("source", "source"),
+    Column("flags", "llama.cpp flags"),
+    Column("expected_tps", "t/s", ".1f", "right"),
+    Column("interval_text", "interval", justify="right"),
+]
+
+
+@main.command()
+@click.option("--model", "model_ref", required=True, help="Model name, sha256 prefix, path or sim://.")
+@click.option("--chip", "chip_key", required=True, help="Chip key, also of a chip never measured.")
+@click.option("--workload", "objective", type=click.Choice(["tg", "pp", "e2e"]), default="tg",
+              show_default=True)
+@db_option
+@output_options()
+def recommend(model_ref, chip_key, objective, db_url, fmt) -> None:
+    """What CHIP should run for MODEL: measured where the fleet has, else predicted."""
+    from orchestrator import registry, schedules
+
+    db = _open_db(db_url)
+    row = schedules.recommend(db, registry.resolve(db, model_ref), chip_key, objective)
+    row["interval_text"] = f"{row['interval'][0]:.1f}-{row['interval'][1]:.1f}"
+    click.echo(render([row], RECOMMEND_COLUMNS, fmt))
+
+
+@main.group()
+def schedule() -> None:
+    """Per-hardware schedules learnt from the results database."""
+
+
+@schedule.command("learn")
+@click.option("--model", "model_ref", help="Only this model's studies.")
+@db_option
+@output_options()
+def schedule_learn(model_ref, db_url, fmt) -> None:
+    """Recompute every recommendation from all stored evidence (new versions where they changed)."""
+    from orchestrator import registry, schedules
+
+    db = _open_db(db_url)
+    rows = schedules.learn_all(db, registry.resolve(db, model_ref) if model_ref else None)
+    columns = [Column("chip", "chip"), Column("objective", "obj"), Column("flags", "llama.cpp flags"),
+               Column("expected_tps", "t/s", ".1f", "right"), Column("version", "v", justify="right"),
+               Column("changed", "new")]
+    click.echo(render(rows, columns, fmt))
 
 
 # ---------------------------------------------------------------- plots

@@ -69,6 +69,8 @@ def resolve(db: Database, ref: str, *, write: bool = False) -> ModelInfo:
         names = ", ".join(f"{i.name} ({i.sha256[:12]})" for i in infos)
         raise BadInput(f"model {ref!r} is ambiguous: {names}")
     info = infos[0]
+    if info.path and is_sim_model(info.path):
+        return sim_model_info(info.path)
     if not info.path or not Path(info.path).is_file():
         raise BadInput(f"model {info.name} ({info.sha256[:12]}) is registered but its file is gone: {info.path}")
     return info

@@ -454,21 +454,12 @@ class StudyRunner:
                 self.optuna_study.tell(trial, state=TrialState.FAIL)
 
     def _records(self) -> tuple[list[learn.TrialRecord], dict[int, float]]:
+        from orchestrator.schedules import study_records
+
         with self.db.session() as s:
-            rows = [r for r in repo.study_trials(s, self.study_id) if r.state == "complete"]
-            records = [
-                learn.TrialRecord(
-                    trial_id=r.id,
-                    phase=r.phase,
-                    params=BenchParams.from_dict(r.params),
-                    samples=tuple(
-                        learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples
-                    ),
-                    simulated=r.simulated,
-                )
-                for r in rows
-            ]
-            values = {r.id: r.objective_value for r in rows if r.objective_value is not None}
+            records = study_records(s, self.study_id)
+            values = {r.id: r.objective_value for r in repo.study_trials(s, self.study_id)
+                      if r.state == "complete" and r.objective_value is not None}
         return records, values
 
     def _confirm(self) -> None:

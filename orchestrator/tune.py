@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from orchestrator import dispatch
 from orchestrator.db import Database, repo
@@ -63,9 +64,14 @@ def choose_chip(
     return Fingerprint.from_dict(chosen[0].fingerprint), chosen
 
 
-def _runner(db, cfg, fingerprint, chosen, on_progress) -> StudyRunner:
+def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False) -> StudyRunner:
     target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen))
     key = target.key
+    if warm and not cfg.resume and not cfg.warm_start:
+        from orchestrator.schedules import warm_start
+
+        configs = warm_start(db, key, cfg.model, cfg.objective, target.simulated)
+        cfg = replace(cfg, warm_start=tuple(configs))
     return StudyRunner(
         db,
         dispatch.Dispatcher(),
@@ -82,6 +88,7 @@ def tune_all_chips(
     *,
     address: str | None = None,
     on_progress: Callable[[str, Progress], None] | None = None,
+    warm: bool = True,
 ) -> list[StudyOutcome]:
     """One study per chip present in the cluster, all at once, each on its own chip's nodes."""
     from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +105,7 @@ def tune_all_chips(
         runners = []
         for key, chosen in sorted(by_chip.items()):
             report = (lambda p, k=key: on_progress(k, p)) if on_progress else None
-            runner = _runner(db, cfg, Fingerprint.from_dict(chosen[0].fingerprint), chosen, report)
+            runner = _runner(db, cfg, Fingerprint.from_dict(chosen[0].fingerprint), chosen, report, warm)
             runner.prepare()  # every study is validated before any of them runs
             runners.append((runner, chosen))
         for runner, chosen in runners:
@@ -118,6 +125,7 @@ def tune(
     chip_key: str | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     on_ready: Callable[[StudyRunner], None] | None = None,
+    warm: bool = True,
 ) -> StudyOutcome:
     """Run one study end to end; in embedded mode Ray is started here and stopped at the end."""
     cfg.validate()
@@ -129,7 +137,7 @@ def tune(
             raise BadInput(f"unknown chip {chip_key!r}: no bench node has it")
         infos = dispatch.describe_nodes(nodes)
         fingerprint, chosen = choose_chip(infos, chip_key, is_sim_model(cfg.model.path))
-        runner = _runner(db, cfg, fingerprint, chosen, on_progress)
+        runner = _runner(db, cfg, fingerprint, chosen, on_progress, warm)
         runner.prepare()  # validates before it writes anything
         runner.target.node_ids.update(record_nodes(db, chosen))
         if on_ready:

@@ -327,6 +327,23 @@ def latest_recommendations(
     return sorted(newest.values(), key=lambda r: (r.chip.key, r.simulated, r.objective))
 
 
+def chip_by_key(session: Session, key: str) -> Chip | None:
+    return session.scalar(select(Chip).where(Chip.key == key))
+
+
+def completed_studies(session: Session, model_sha256: str | None = None) -> list[Study]:
+    query = select(Study).options(joinedload(Study.chip)).where(Study.state == "complete")
+    if model_sha256:
+        query = query.join(Model, Study.model_id == Model.id).where(Model.sha256 == model_sha256)
+    return list(session.scalars(query.order_by(Study.id)))
+
+
+def all_latest_recommendations(session: Session, objective: str, simulated: bool) -> list[Recommendation]:
+    """The newest recommendation of every (chip, model, workload) for one objective and kind."""
+    model_ids = list(session.scalars(select(Recommendation.model_id).distinct()))
+    return [r for r in latest_recommendations(session, model_ids, None, objective) if r.simulated == simulated]
+
+
 # ---------------------------------------------------------------- fleet
 
 

@@ -1,0 +1,159 @@
+"""Per-hardware schedules: recompute recommendations from all evidence, answer "what should chip C
+run for model M" (measured where the fleet has measured it, predicted where it has not), and
+give a new study its warm start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator import learn, transfer
+from orchestrator.db import Database, repo
+from workers.errors import BadInput
+from workers.models import ModelInfo
+from workers.trial import BenchParams
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    key: str
+    p_cores: int
+    e_cores: int
+    gpu_cores: int
+    bandwidth_gbs: float
+    memory_gb: float
+
+
+def _hardware_of_row(chip) -> Hardware | None:
+    if not chip.bandwidth_gbs or not (chip.p_cores or chip.logical_cores):
+        return None  # no bandwidth (a CUDA or CPU-only chip): not comparable with Apple's table
+    return Hardware(chip.key, chip.p_cores or chip.logical_cores, chip.e_cores or 0, chip.gpu_cores or 0,
+                    chip.bandwidth_gbs, (chip.memory_bytes or 0) / GIB or 16.0)
+
+
+def hardware(db: Database, chip_key: str) -> Hardware:
+    """A chip's hardware: from a node that has joined, else from the Apple Silicon chip table."""
+    from workers import simulated
+
+    with db.session() as s:
+        row = repo.chip_by_key(s, chip_key)
+        if row is not None and (hw := _hardware_of_row(row)):
+            return hw
+    for chip in simulated.all_chips():
+        if chip.chip_key == chip_key:
+            return Hardware(chip.chip_key, chip.p_cores, chip.e_cores, chip.gpu_cores,
+                            chip.bandwidth_gbs, chip.memory_gb)
+    raise BadInput(f"unknown chip {chip_key!r}: not in the fleet's database nor in the chip table")
+
+
+def features(hw: Hardware, model: ModelInfo) -> transfer.Features:
+    bpw = model.size_bytes * 8 / model.n_params if model.n_params else 4.5
+    return transfer.Features(hw.p_cores, hw.e_cores, hw.gpu_cores, hw.bandwidth_gbs, hw.memory_gb,
+                             float(model.size_bytes), model.n_layer, bpw)
+
+
+def examples(db: Database, objective: str, simulated: bool) -> list[transfer.Example]:
+    """Every chip's newest recommendation for ``objective`` as a training example."""
+    out = []
+    with db.session() as s:
+        for rec in repo.all_latest_recommendations(s, objective, simulated):
+            hw = _hardware_of_row(rec.chip)
+            if hw is None or rec.expected_tps <= 0:
+                continue
+            out.append(transfer.Example(rec.chip.key, features(hw, repo.model_info_of(rec.model)),
+                                        BenchParams.from_dict(rec.params), rec.expected_tps))
+    return out
+
+
+def predictor(db: Database, objective: str, simulated: bool | None = None
+              ) -> tuple[transfer.ConfigPredictor, bool]:
+    """A predictor over real evidence where there is enough of it, else over simulated evidence."""
+    kinds = [simulated] if simulated is not None else [False, True]
+    for kind in kinds:
+        found = examples(db, objective, kind)
+        if len(found) >= transfer.MIN_EXAMPLES:
+            return transfer.ConfigPredictor(found), kind
+    raise BadInput(f"too little evidence to predict from: tune at least {transfer.MIN_EXAMPLES} chips "
+                   f"for objective {objective} first")
+
+
+def recommend(db: Database, model: ModelInfo, chip_key: str, objective: str = "tg") -> dict:
+    """The measured recommendation for (chip, model, objective), or a prediction when there is none."""
+    with db.session() as s:
+        models = repo.find_models(s, model.sha256)
+        measured = repo.latest_recommendations(s, [m.id for m in models], chip_key, objective) if models else []
+        measured = [r for r in measured if r.chip.key == chip_key]
+        if measured:
+            rec = measured[0]
+            params = BenchParams.from_dict(rec.params)
+            return {"chip": chip_key, "model": model.name, "objective": objective, "source": "measured",
+                    "flags": params.llama_cpp_flags(), "llama_cpp_python": params.llama_cpp_python_kwargs(),
+                    "expected_tps": rec.expected_tps, "interval": [rec.interval_low, rec.interval_high],
+                    "version": rec.version, "evidence": rec.evidence, "simulated": rec.simulated}
+    hw = hardware(db, chip_key)
+    model_predictor, simulated = predictor(db, objective)
+    pred = model_predictor.predict(features(hw, model))
+    return {"chip": chip_key, "model": model.name, "objective": objective, "source": "predicted",
+            "flags": pred.params.llama_cpp_flags(), "llama_cpp_python": pred.params.llama_cpp_python_kwargs(),
+            "expected_tps": pred.expected_tps, "interval": list(pred.interval), "version": None,
+            "evidence": [key for key, _ in pred.nearest], "simulated": simulated,
+            "n_examples": pred.n_examples}
+
+
+def warm_start(db: Database, chip_key: str, model: ModelInfo, objective: str, simulated: bool
+               ) -> list[BenchParams]:
+    """What a new study measures first: the predicted configuration, then the best configurations
+    of the nearest known chips. Empty when the fleet knows too little (the sampler starts cold)."""
+    try:
+        hw = hardware(db, chip_key)
+        model_predictor, _ = predictor(db, objective, simulated)
+    except BadInput:
+        return []
+    target = features(hw, model)
+    pred = model_predictor.predict(target)
+    return [pred.params, *(params for key, params in pred.nearest if key != chip_key)]
+
+
+def learn_all(db: Database, model: ModelInfo | None = None) -> list[dict]:
+    """Recompute every completed study's recommendation from its evidence; a new version is stored
+    only where the answer changed. Returns one row per study."""
+    rows = []
+    with db.session() as s:
+        studies = repo.completed_studies(s, model.sha256 if model else None)
+        for study in studies:
+            records = study_records(s, study.id)
+            draft = learn.recommend(records, study.objective, study.n_prompt, study.n_gen)
+            if draft is None:
+                continue
+            latest = repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
+            latest = [r for r in latest if r.chip_id == study.chip_id and r.n_prompt == study.n_prompt
+                      and r.n_gen == study.n_gen and r.simulated == draft.simulated]
+            unchanged = latest and latest[0].params == draft.params.to_dict() and \
+                abs(latest[0].expected_tps - draft.expected_tps) <= 1e-9 * max(draft.expected_tps, 1)
+            version = latest[0].version if unchanged else repo.add_recommendation(
+                s, chip_id=study.chip_id, model_id=study.model_id, study_id=study.id,
+                objective=study.objective, n_prompt=study.n_prompt, n_gen=study.n_gen,
+                params=draft.params.to_dict(), expected_tps=draft.expected_tps,
+                interval_low=draft.interval_low, interval_high=draft.interval_high,
+                expected_pp_tps=draft.expected_pp_tps, expected_tg_tps=draft.expected_tg_tps,
+                baseline_tps=draft.baseline_tps, improvement=draft.improvement, evidence=draft.evidence,
+                simulated=draft.simulated, source="learn",
+            ).version
+            rows.append({"study": study.name, "chip": study.chip.key, "objective": study.objective,
+                         "flags": draft.params.llama_cpp_flags(), "expected_tps": draft.expected_tps,
+                         "version": version, "changed": not unchanged, "simulated": draft.simulated})
+    return rows
+
+
+def study_records(session, study_id: int) -> list[learn.TrialRecord]:
+    """A study's completed trials as learning records."""
+    return [
+        learn.TrialRecord(
+            trial_id=r.id, phase=r.phase, params=BenchParams.from_dict(r.params),
+            samples=tuple(learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples),
+            simulated=r.simulated,
+        )
+        for r in repo.study_trials(session, study_id) if r.state == "complete"
+    ]

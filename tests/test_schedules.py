@@ -1,0 +1,124 @@
+"""Schedules: prediction for chips the fleet has not measured, recommend, schedule learn, warm start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator import schedules
+from orchestrator.cli import main
+from orchestrator.db import open_database, repo
+from orchestrator.space import SearchSpace
+from orchestrator.studies import StudyConfig
+from orchestrator.transfer import ConfigPredictor, Example, Features
+from orchestrator.tune import tune
+from tests.conftest import SIM_CHIPS
+from workers import simulated
+from workers.errors import BadInput
+from workers.simulated import sim_model_info
+from workers.trial import Workload
+
+SIM_MODEL = "sim://llama2-7b/q4_0"
+
+
+def features(chip, shape) -> Features:
+    return Features(chip.p_cores, chip.e_cores, chip.gpu_cores, chip.bandwidth_gbs, chip.memory_gb,
+                    shape.file_bytes, shape.n_layer, shape.bpw)
+
+
+@pytest.mark.parametrize("held_out", ["M3", "M4 Max"])
+def test_a_chip_family_never_measured_gets_a_configuration_within_10_percent(held_out):
+    shape = simulated.model_shape("llama2-7b", "q4_0")
+    chips = [simulated.with_memory(c, 32) for c in simulated.all_chips()
+             if c.family in ("M1", "M1 Pro", "M1 Max", "M2 Ultra", "M3 Pro", "M3 Max", "M4", "M4 Max")]
+    known = [c for c in chips if c.family != held_out]
+    examples = []
+    for chip in known:
+        params, _, value = simulated.optimum(chip, shape, "tg")
+        examples.append(Example(chip.chip_key, features(chip, shape), params, value))
+    predictor = ConfigPredictor(examples)
+    for chip in (c for c in chips if c.family == held_out):
+        pred = predictor.predict(features(chip, shape))
+        _, _, best = simulated.optimum(chip, shape, "tg")
+        achieved = simulated.predict(chip, shape, pred.params, 512, 128).tg_tps
+        assert achieved >= 0.9 * best, (chip.label, pred.params)
+        assert pred.expected_tps == pytest.approx(best, rel=0.15)
+        assert pred.interval[0] < pred.expected_tps < pred.interval[1]
+
+
+def test_too_little_evidence_is_one_clear_error():
+    with pytest.raises(BadInput, match="too little evidence"):
+        ConfigPredictor([])
+
+
+@pytest.fixture(scope="module")
+def fleet_db(tmp_path_factory, ray_cluster):
+    """Two chips of the simulated fleet tuned (tg), in one database."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('schedules') / 'results.db'}"
+    db = open_database(url)
+    cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=6, seed=4,
+                      workload=Workload(n_prompt=128, n_gen=16, reps=1))
+    for chip in SIM_CHIPS.values():
+        tune(db, cfg, chip_key=chip)
+    return url
+
+
+def cli_json(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_recommend_is_measured_for_a_tuned_chip_and_predicted_for_an_unseen_one(fleet_db):
+    measured = cli_json("recommend", "--model", SIM_MODEL, "--chip", SIM_CHIPS["M2 Ultra/76"],
+                        "--db", fleet_db, "--json")[0]
+    best = cli_json("best", "--model", "llama2-7b-q4_0", "--chip", SIM_CHIPS["M2 Ultra/76"],
+                    "--db", fleet_db, "--json")[0]
+    assert measured["source"] == "measured" and measured["flags"] == best["flags"]
+    predicted = cli_json("recommend", "--model", SIM_MODEL, "--chip", "apple-m4-max-40g",
+                         "--db", fleet_db, "--json")[0]
+    assert predicted["source"] == "predicted" and predicted["simulated"] is True
+    assert predicted["interval"][0] < predicted["expected_tps"] < predicted["interval"][1]
+    assert set(predicted["evidence"]) <= set(SIM_CHIPS.values())
+    result = CliRunner().invoke(main, ["recommend", "--model", SIM_MODEL, "--chip", "apple-m9-zzz",
+                                       "--db", fleet_db])
+    assert result.exit_code == 2 and "unknown chip" in result.output
+
+
+def test_schedule_learn_adds_a_version_only_when_the_answer_changes(fleet_db):
+    first = cli_json("schedule", "learn", "--db", fleet_db, "--json")
+    assert {r["chip"] for r in first} == set(SIM_CHIPS.values())
+    assert not any(r["changed"] for r in first)  # the studies stored these already
+    db = open_database(fleet_db)
+    with db.session() as s:  # a newer, different recommendation appears (say, by hand)
+        rec = repo.all_latest_recommendations(s, "tg", True)[0]
+        chip, version = rec.chip.key, rec.version
+        rec.params = {**rec.params, "n_threads": rec.params["n_threads"] + 1}
+    second = {r["chip"]: r for r in cli_json("schedule", "learn", "--db", fleet_db, "--json")}
+    assert second[chip]["changed"] and second[chip]["version"] == version + 1
+
+
+def test_a_new_study_measures_the_warm_start_first(fleet_db):
+    db = open_database(fleet_db)
+    model = sim_model_info(SIM_MODEL)
+    chip = SIM_CHIPS["M1 Pro/16"]
+    warm = schedules.warm_start(db, chip, model, "tg", simulated=True)
+    assert warm  # a prediction, then the nearest known chips' configurations
+    cfg = StudyConfig(model=model, n_trials=len(warm) + 2, seed=9,
+                      workload=Workload(n_prompt=128, n_gen=32, reps=1))  # a new workload: a new study
+    outcome = tune(db, cfg, chip_key=chip)
+    with db.session() as s:
+        study = repo.get_study(s, outcome.name)
+        rows = sorted(repo.study_trials(s, study.id, "search"), key=lambda r: r.optuna_number)
+        measured = [(r.params["n_gpu_layers"], r.params["n_threads"], r.params["n_batch"],
+                     r.params["n_ubatch"]) for r in rows]
+        space = SearchSpace.from_dict(study.space)
+    assert measured[0][0] == space.ngl_max  # full offload first, as in every GPU study
+    expected = []
+    for p in (space.clip(p) for p in warm):
+        key = (p.n_gpu_layers, p.n_threads, p.n_batch, p.n_ubatch)
+        if key != measured[0] and key not in expected:
+            expected.append(key)
+    assert measured[1:1 + len(expected)] == expected  # then the warm start, each config once
