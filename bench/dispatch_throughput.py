@@ -11,7 +11,8 @@ a DB row written when each trial starts and when it ends, results stored with th
   with one bench slot, trials sleeping ``--trial-s`` seconds: the head's overhead plus Ray's.
 
 Utilisation = the nodes' busy seconds / (nodes x wall seconds from the first submit to the last
-result). Run:
+result), fill and drain included; the head's time per trial = (wall - time blocked waiting for
+results) / trials. Run:
 
     python bench/dispatch_throughput.py virtual --nodes 256 --trials 2048 --trial-s 1 --db sqlite
     python bench/dispatch_throughput.py ray --nodes 32 --trials 256 --trial-s 1
@@ -51,6 +52,7 @@ class VirtualFleet:
         self.finish: list[tuple[float, int]] = []  # (finish time, ref)
         self.specs: dict[int, tuple[TrialSpec, str, float]] = {}
         self.busy_s = 0.0
+        self.waited_s = 0.0  # time the head spent waiting for results: the rest is its own work
         self.first_submit: float | None = None
         self.last_result = 0.0
         self._next = 0
@@ -72,6 +74,7 @@ class VirtualFleet:
         delay = self.finish[0][0] - time.monotonic()
         if delay > 0:
             time.sleep(min(delay, timeout_s))
+            self.waited_s += min(delay, timeout_s)
         done, now = [], time.monotonic()
         while self.finish and self.finish[0][0] <= now:
             done.append(heapq.heappop(self.finish)[1])
@@ -125,8 +128,24 @@ def run_virtual(args) -> dict:
     n = args.trials + 2 + 2  # search + baseline + confirmation (top 1 and the baseline)
     return {"mode": "virtual", "nodes": args.nodes, "trials": n, "trial_s": args.trial_s, "db": args.db,
             "sampler": args.sampler, "wall_s": wall, "utilisation": fleet.busy_s / (args.nodes * span),
-            "head_ms_per_trial": 1000 * max(wall - n * args.trial_s / args.nodes, 0) / n,
-            "trials_per_s": n / wall}
+            "head_ms_per_trial": 1000 * (wall - fleet.waited_s) / n, "trials_per_s": n / wall}
+
+
+class TimedDispatcher:
+    """The real Dispatcher, with the time the head spends blocked in ``wait`` counted."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.waited_s = inner, 0.0
+
+    def wait(self, refs, timeout_s):
+        start = time.monotonic()
+        try:
+            return self.inner.wait(refs, timeout_s)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def run_ray(args) -> dict:
@@ -152,7 +171,8 @@ def run_ray(args) -> dict:
     cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
                       sampler=args.sampler, seed=1, confirm_top=1)
     alive = [n.ray_node_id for n in dispatch.bench_nodes(key)]
-    runner = StudyRunner(db, dispatch.Dispatcher(), cfg, target, alive_nodes=lambda: alive)
+    dispatcher = TimedDispatcher(dispatch.Dispatcher())
+    runner = StudyRunner(db, dispatcher, cfg, target, alive_nodes=lambda: alive)
     runner.prepare()
     start = time.monotonic()
     runner.run()
@@ -169,7 +189,7 @@ def run_ray(args) -> dict:
     span = (last - first).total_seconds()
     return {"mode": "ray", "nodes": args.nodes, "trials": len(rows), "trial_s": args.trial_s,
             "db": args.db, "sampler": args.sampler, "wall_s": wall, "utilisation": busy / (args.nodes * span),
-            "head_ms_per_trial": 1000 * max(wall - len(rows) * args.trial_s / args.nodes, 0) / len(rows),
+            "head_ms_per_trial": 1000 * (wall - dispatcher.waited_s) / len(rows),
             "trials_per_s": len(rows) / wall}
 
 

@@ -496,6 +496,181 @@ def schedule_learn(model_ref, db_url, fmt) -> None:
     click.echo(render(rows, columns, fmt))
 
 
+# ---------------------------------------------------------------- rollout
+
+
+def _percent(text: str) -> float:
+    """ "10%" or "0.1" -> 0.1"""
+    try:
+        return float(text.rstrip("%")) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise BadInput(f"{text!r}: expected a share such as 10% or 0.1") from None
+
+
+def _rollout_target(db_url, model_ref, address):
+    from orchestrator import dispatch, registry
+
+    db = _open_db(db_url)
+    info = registry.resolve(db, model_ref)
+    started = dispatch.connect(address or "auto")
+    return db, info, started
+
+
+@main.group()
+def rollout() -> None:
+    """Put recommended configurations into service: canary, verify, promote or roll back."""
+
+
+@rollout.command("plan")
+@click.option("--model", "model_ref", required=True)
+@click.option("--objective", default="tg", show_default=True, type=click.Choice(["tg", "pp", "e2e"]))
+@click.option("--chips", help="Comma-separated chip keys (default: every chip with a recommendation).")
+@click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
+@click.option("--address", help="Ray cluster address (default: the local head).")
+@db_option
+@output_options()
+def rollout_plan(model_ref, objective, chips, canary, address, db_url, fmt) -> None:
+    """Per chip: the configuration, its canaries, the expected speed and what the nodes run now."""
+    from orchestrator import dispatch
+    from orchestrator import rollout as ro
+
+    db, info, started = _rollout_target(db_url, model_ref, address)
+    try:
+        plans = ro.plan(db, info, objective, chips.split(",") if chips else None, _percent(canary))
+    finally:
+        if started:
+            dispatch.shutdown()
+    rows = [{"chip": p.chip_key, "flags": _payload_flags(p.payload), "expected_tps": p.expected_tps,
+             "current": p.current or "-", "nodes": len(p.nodes), "canaries": p.n_canary,
+             "simulated": p.simulated} for p in plans]
+    click.echo(render(rows, [Column("chip", "chip"), Column("flags", "new config"),
+                             Column("expected_tps", "t/s", ".1f", "right"), Column("current", "now"),
+                             Column("nodes", "nodes", justify="right"),
+                             Column("canaries", "canary", justify="right")], fmt))
+
+
+def _payload_flags(payload: dict) -> str:
+    from workers.trial import BenchParams
+
+    return BenchParams.from_dict(payload["params"]).llama_cpp_flags()
+
+
+ROLLOUT_NODE_COLUMNS = [
+    Column("chip", "chip"), Column("node", "node"), Column("stage", "stage", justify="right"),
+    Column("state", "state"), Column("measured_tps", "t/s", ".1f", "right"),
+    Column("expected_tps", "expect", ".1f", "right"),
+]
+
+
+@rollout.command("start")
+@click.option("--model", "model_ref", required=True)
+@click.option("--objective", default="tg", show_default=True, type=click.Choice(["tg", "pp", "e2e"]))
+@click.option("--chips", help="Comma-separated chip keys (default: every chip with a recommendation).")
+@click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
+@click.option("--tolerance", default="5%", show_default=True,
+              help="A canary slower than expected by more than this rolls everything back.")
+@click.option("--dry-run", is_flag=True, help="Show the plan; change nothing.")
+@click.option("--address", help="Ray cluster address (default: the local head).")
+@db_option
+@output_options()
+def rollout_start(model_ref, objective, chips, canary, tolerance, dry_run, address, db_url, fmt) -> None:
+    """Roll the recommendation out (an unfinished rollout of the model is resumed)."""
+    from orchestrator import dispatch
+    from orchestrator import rollout as ro
+
+    if dry_run:
+        ctx = click.get_current_context()
+        return ctx.invoke(rollout_plan, model_ref=model_ref, objective=objective, chips=chips,
+                          canary=canary, address=address, db_url=db_url, fmt=fmt)
+    db, info, started = _rollout_target(db_url, model_ref, address)
+    try:
+        rollout_id = ro.start(db, info, objective=objective, chips=chips.split(",") if chips else None,
+                              canary_share=_percent(canary), tolerance=_percent(tolerance),
+                              on_step=lambda text: click.echo(text, err=True))
+    finally:
+        if started:
+            dispatch.shutdown()
+    rows = ro.status_rows(db, rollout_id)
+    click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
+                      title=f"rollout {rollout_id}: {rows[0]['rollout_state'] if rows else '?'}"))
+
+
+@rollout.command("status")
+@click.argument("rollout_id", type=int, required=False)
+@db_option
+@output_options()
+def rollout_status(rollout_id, db_url, fmt) -> None:
+    """Each node of a rollout (default: the latest): stage, state, measured speed."""
+    from orchestrator import rollout as ro
+
+    rows = ro.status_rows(_open_db(db_url), rollout_id)
+    click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
+                      title=f"rollout {rows[0]['rollout']}: {rows[0]['rollout_state']}" if rows else None))
+
+
+@rollout.command("rollback")
+@click.argument("rollout_id", type=int, required=False)
+@click.option("--address", help="Ray cluster address (default: the local head).")
+@db_option
+def rollout_rollback(rollout_id, address, db_url) -> None:
+    """Give every node a rollout touched its previous configuration (default: the latest)."""
+    from orchestrator import dispatch
+    from orchestrator import rollout as ro
+    from orchestrator.db import repo
+
+    db = _open_db(db_url)
+    if rollout_id is None:
+        with db.session() as s:
+            latest = repo.latest_rollout(s)
+            if latest is None:
+                raise BadInput("no rollout yet")
+            rollout_id = latest.id
+    started = dispatch.connect(address or "auto")
+    try:
+        restored = ro.rollback(db, rollout_id)
+    finally:
+        if started:
+            dispatch.shutdown()
+    click.echo(f"rollout {rollout_id}: {restored} node(s) restored")
+
+
+@rollout.command("history")
+@db_option
+@output_options()
+def rollout_history(db_url, fmt) -> None:
+    """Every rollout, oldest first."""
+    from orchestrator import rollout as ro
+
+    click.echo(render(ro.history_rows(_open_db(db_url)),
+                      [Column("rollout", "id", justify="right"), Column("model", "model"),
+                       Column("state", "state"), Column("chips", "chips"),
+                       Column("nodes", "nodes", justify="right")], fmt))
+
+
+@main.group()
+def config() -> None:
+    """This node's active configuration, as a rollout left it."""
+
+
+@config.command("show")
+@click.option("--node", "node_id", help="Ray node id (prefix); default: every config on this machine.")
+@click.option("--format", "fmt", type=click.Choice(["json", "flags", "ollama", "python"]), default="json",
+              show_default=True)
+def config_show(node_id, fmt) -> None:
+    """Print the active config as JSON, llama.cpp flags, Ollama PARAMETER lines or Python."""
+    from workers import nodeconfig
+
+    configs = nodeconfig.all_configs()
+    if node_id:
+        configs = {k: v for k, v in configs.items() if k.startswith(node_id)}
+    if not configs:
+        raise BadInput("no active configuration on this machine" + (f" for node {node_id}" if node_id else ""))
+    for key, payload in configs.items():
+        if len(configs) > 1:
+            click.echo(f"# node {key}")
+        click.echo(nodeconfig.render(payload, fmt))
+
+
 # ---------------------------------------------------------------- plots
 
 

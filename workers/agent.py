@@ -138,3 +138,18 @@ def finish_model(path: str, sha256: str) -> bool:
         return False
     os.replace(part, path)
     return True
+
+
+def apply_config(node_id: str, payload: dict | None) -> dict | None:
+    """On a node: make ``payload`` its active configuration (None: none); returns the one replaced.
+
+    Runs pinned to ``node_id``; refuses to write another node's file.
+    """
+    import ray
+
+    from workers import nodeconfig
+
+    here = ray.get_runtime_context().get_node_id()
+    if here != node_id:
+        raise RuntimeError(f"config for node {node_id[:12]} reached node {here[:12]}")
+    return nodeconfig.write(node_id, payload)

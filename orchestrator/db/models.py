@@ -198,3 +198,38 @@ class Recommendation(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     chip: Mapped[Chip] = relationship()
     model: Mapped[Model] = relationship()
+
+
+class Rollout(Base):
+    """Putting a model's recommended configurations into service: plan, stages, verdict."""
+
+    __tablename__ = "ft_rollouts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("ft_models.id"))
+    objective: Mapped[str] = mapped_column(String(10))
+    state: Mapped[str] = mapped_column(String(20), default="running")  # running|promoted|rolled_back
+    canary_share: Mapped[float] = mapped_column(Float)
+    tolerance: Mapped[float] = mapped_column(Float)
+    plan: Mapped[dict] = mapped_column(JSON)  # chip key -> the configuration payload
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    model: Mapped[Model] = relationship()
+    nodes: Mapped[list[RolloutNode]] = relationship(order_by="RolloutNode.id", cascade="all, delete-orphan")
+
+
+class RolloutNode(Base):
+    """One node in a rollout: its stage (0 = canary), the config it gets and the one it had."""
+
+    __tablename__ = "ft_rollout_nodes"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("ft_rollouts.id", ondelete="CASCADE"), index=True)
+    ray_node_id: Mapped[str] = mapped_column(String(64))
+    chip_key: Mapped[str] = mapped_column(String(120))
+    stage: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict] = mapped_column(JSON)
+    previous: Mapped[dict | None] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(20), default="pending")  # pending|applied|verified|failed|rolled_back
+    measured_tps: Mapped[float | None] = mapped_column(Float)
+    reason: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -13,6 +13,7 @@ from orchestrator.db.models import (
     Model,
     Node,
     Recommendation,
+    Rollout,
     SampleRow,
     Study,
     Trial,
@@ -342,6 +343,30 @@ def all_latest_recommendations(session: Session, objective: str, simulated: bool
     """The newest recommendation of every (chip, model, workload) for one objective and kind."""
     model_ids = list(session.scalars(select(Recommendation.model_id).distinct()))
     return [r for r in latest_recommendations(session, model_ids, None, objective) if r.simulated == simulated]
+
+
+def active_rollout_config(session: Session, model_id: int, chip_key: str) -> dict | None:
+    """The configuration the chip's nodes run for the model: the newest promoted rollout's."""
+    query = (select(Rollout).where(Rollout.model_id == model_id, Rollout.state == "promoted")
+             .order_by(Rollout.id.desc()))
+    for rollout in session.scalars(query):
+        if chip_key in rollout.plan:
+            return rollout.plan[chip_key]
+    return None
+
+
+def unfinished_rollout(session: Session, model_sha256: str) -> Rollout | None:
+    return session.scalar(select(Rollout).join(Model, Rollout.model_id == Model.id)
+                          .where(Model.sha256 == model_sha256, Rollout.state == "running")
+                          .order_by(Rollout.id.desc()))
+
+
+def latest_rollout(session: Session) -> Rollout | None:
+    return session.scalar(select(Rollout).order_by(Rollout.id.desc()))
+
+
+def list_rollouts(session: Session) -> list[Rollout]:
+    return list(session.scalars(select(Rollout).options(joinedload(Rollout.model)).order_by(Rollout.id)))
 
 
 # ---------------------------------------------------------------- fleet

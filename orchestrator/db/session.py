@@ -24,17 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from migrations import SCRIPT_LOCATION, VERSION_TABLE
 from orchestrator.db.models import Base
 from workers.errors import BadInput
+from workers.paths import data_dir
 
 SQLITE_BUSY_TIMEOUT_S = 30
-
-
-def data_dir() -> Path:
-    """Where fleettune keeps its database and models: $FLEETTUNE_HOME or the XDG data dir."""
-    if os.environ.get("FLEETTUNE_HOME"):
-        return Path(os.environ["FLEETTUNE_HOME"])
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("fleettune", appauthor=False))
 
 
 def default_db_url() -> str:

@@ -1,0 +1,116 @@
+"""A node's active configuration: the file a rollout writes and `fleettune config show` reads.
+
+The payload is validated data (known keys, bounded values), never a shell string; it is written to
+a temporary file, flushed to disk and renamed over the old one, so a reader sees the old config or
+the new one, never half of either. One file per node, named by the node's Ray id, under
+``<data dir>/node-config`` (several simulated nodes may share one machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from workers.errors import BadInput
+from workers.paths import data_dir
+from workers.trial import BenchParams
+
+KEYS = {"version", "rollout_id", "model_sha256", "model_name", "objective", "params", "expected_tps"}
+PARAM_BOUNDS = {"n_gpu_layers": (0, 1000), "n_threads": (1, 1024), "n_batch": (1, 65536),
+                "n_ubatch": (1, 65536)}
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+NAME = re.compile(r"^[\w.\-+ ]{1,200}$")
+FORMATS = ("json", "flags", "ollama", "python")
+
+
+def config_dir() -> Path:
+    return data_dir() / "node-config"
+
+
+def validate(payload: dict) -> dict:
+    """The payload, checked; BadInput names the first thing wrong with it."""
+    if not isinstance(payload, dict) or set(payload) != KEYS:
+        raise BadInput(f"config payload must have exactly the keys {sorted(KEYS)}")
+    if not isinstance(payload["version"], int) or not isinstance(payload["rollout_id"], int) \
+            or payload["version"] < 1:
+        raise BadInput("config version and rollout_id must be positive integers")
+    if not SHA256.match(str(payload["model_sha256"])) or not NAME.match(str(payload["model_name"])):
+        raise BadInput("config model_sha256 must be 64 hex digits and model_name a plain name")
+    if payload["objective"] not in ("tg", "pp", "e2e"):
+        raise BadInput(f"config objective {payload['objective']!r} unknown")
+    expected = payload["expected_tps"]
+    if not isinstance(expected, int | float) or not 0 < expected < 1e7:
+        raise BadInput("config expected_tps must be a positive number")
+    params = payload["params"]
+    if not isinstance(params, dict) or not set(params) <= set(PARAM_BOUNDS) | {"flash_attn", "n_threads_batch"}:
+        raise BadInput("config params has unknown keys")
+    for key, (low, high) in PARAM_BOUNDS.items():
+        value = params.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
+    if params.get("n_threads_batch") is not None and not 1 <= int(params["n_threads_batch"]) <= 1024:
+        raise BadInput("config params.n_threads_batch out of range")
+    if not isinstance(params.get("flash_attn", False), bool):
+        raise BadInput("config params.flash_attn must be true or false")
+    return payload
+
+
+def path_for(node_id: str) -> Path:
+    if not re.match(r"^[0-9a-f]{8,64}$", node_id):
+        raise BadInput(f"bad node id {node_id!r}")
+    return config_dir() / f"{node_id}.json"
+
+
+def read(node_id: str) -> dict | None:
+    path = path_for(node_id)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write(node_id: str, payload: dict | None) -> dict | None:
+    """Make ``payload`` the node's active config (None: no config); returns the one it replaced."""
+    path = path_for(node_id)
+    previous = read(node_id)
+    if payload is None:
+        path.unlink(missing_ok=True)
+        return previous
+    validate(payload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{node_id}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return previous
+
+
+def all_configs() -> dict[str, dict]:
+    """Every node config on this machine: node id -> payload."""
+    folder = config_dir()
+    if not folder.is_dir():
+        return {}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def render(payload: dict, fmt: str) -> str:
+    """The config as JSON, llama.cpp flags, Ollama Modelfile PARAMETER lines or Python."""
+    params = BenchParams.from_dict(payload["params"])
+    if fmt == "json":
+        return json.dumps(payload, indent=2, sort_keys=True)
+    if fmt == "flags":
+        return params.llama_cpp_flags()
+    if fmt == "ollama":
+        return "\n".join([f"PARAMETER num_gpu {params.n_gpu_layers}",
+                          f"PARAMETER num_thread {params.n_threads}",
+                          f"PARAMETER num_batch {params.n_batch}"])
+    if fmt == "python":
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in params.llama_cpp_python_kwargs().items())
+        return f"llama_cpp.Llama(model_path, {kwargs})"
+    raise BadInput(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
