@@ -634,6 +634,28 @@ def rollout_rollback(rollout_id, address, db_url) -> None:
     click.echo(f"rollout {rollout_id}: {restored} node(s) restored")
 
 
+@rollout.command("sync")
+@click.option("--model", "model_ref", help="Only this model's rollouts.")
+@click.option("--address", help="Ray cluster address (default: the local head).")
+@db_option
+@output_options()
+def rollout_sync(model_ref, address, db_url, fmt) -> None:
+    """Give nodes that joined later (or lost their file) their chip's current configuration."""
+    from orchestrator import dispatch, registry
+    from orchestrator import rollout as ro
+
+    db = _open_db(db_url)
+    info = registry.resolve(db, model_ref) if model_ref else None
+    started = dispatch.connect(address or "auto")
+    try:
+        rows = ro.sync(db, info)
+    finally:
+        if started:
+            dispatch.shutdown()
+    click.echo(render(rows, [Column("chip", "chip"), Column("node", "node"),
+                             Column("version", "version", justify="right"), Column("changed", "changed")], fmt))
+
+
 @rollout.command("history")
 @db_option
 @output_options()

@@ -242,3 +242,24 @@ def history_rows(db: Database) -> list[dict]:
                  "chips": ", ".join(sorted(r.plan)), "nodes": len(r.nodes),
                  "canary_share": r.canary_share, "tolerance": r.tolerance, "message": r.message,
                  "created_at": r.created_at} for r in repo.list_rollouts(s)]
+
+
+def sync(db: Database, model: ModelInfo | None = None, applier: Applier | None = None) -> list[dict]:
+    """Give every live node its chip's current configuration (the newest promoted rollout's) where
+    it lacks it: for nodes that joined after the rollout, or whose file was lost."""
+    applier = applier or Applier()
+    out = []
+    with db.session() as s:
+        promoted = [r for r in repo.list_rollouts(s) if r.state == "promoted"
+                    and (model is None or r.model.sha256 == model.sha256)]
+        current: dict[str, dict] = {}
+        for rollout in promoted:  # oldest first: newer rollouts overwrite
+            current.update(rollout.plan)
+    for node in dispatch.bench_nodes():
+        payload = current.get(node.chip_key or "")
+        if payload is None:
+            continue
+        previous = applier.apply(node.ray_node_id, payload)
+        out.append({"node": node.ray_node_id[:12], "chip": node.chip_key, "version": payload["version"],
+                    "changed": previous != payload})
+    return out

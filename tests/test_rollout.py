@@ -139,3 +139,16 @@ def test_bad_payloads_are_refused():
                 {**good, "params": {**good["params"], "n_batch": "64"}}):
         with pytest.raises(BadInput):
             nodeconfig.validate(bad)
+
+
+def test_sync_restores_a_lost_config_file(tuned):
+    db = open_database(tuned)
+    rows = ro.status_rows(db)
+    assert rows[0]["rollout_state"] == "promoted"
+    lost = rows[-1]["ray_node_id"]
+    expected = nodeconfig.read(lost)
+    nodeconfig.write(lost, None)  # as on a Mac that joins after the rollout: no config yet
+    synced = json.loads(cli("rollout", "sync", "--model", SIM_MODEL, "--db", tuned, "--json").output)
+    assert [r["changed"] for r in synced if lost.startswith(r["node"])] == [True]
+    assert not any(r["changed"] for r in synced if not lost.startswith(r["node"]))
+    assert nodeconfig.read(lost) == expected
