@@ -84,6 +84,27 @@ def pg_url(pg_server):
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+def module_db_url(request, tmp_path_factory) -> str:
+    """For a module-scoped fixture parametrised "sqlite"/"postgres": a fresh database of that kind,
+    the PostgreSQL one dropped when the module is done."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('db') / 'results.db'}"
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    server = request.getfixturevalue("pg_server")
+    name = f"fleettune_test_{uuid.uuid4().hex[:10]}"
+    with server.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop():
+        with server.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+    request.addfinalizer(drop)
+    return make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
 @pytest.fixture
 def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'results.db'}"

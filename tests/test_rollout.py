@@ -13,7 +13,7 @@ from orchestrator.cli import main
 from orchestrator.db import open_database, repo
 from orchestrator.studies import StudyConfig
 from orchestrator.tune import tune
-from tests.conftest import SIM_CHIPS
+from tests.conftest import SIM_CHIPS, module_db_url
 from workers import nodeconfig
 from workers.errors import BadInput
 from workers.simulated import sim_model_info
@@ -22,9 +22,9 @@ from workers.trial import Workload
 SIM_MODEL = "sim://llama2-13b/q4_0"  # a model no other test rolls out
 
 
-@pytest.fixture(scope="module")
-def tuned(tmp_path_factory, ray_cluster):
-    url = f"sqlite:///{tmp_path_factory.mktemp('rollout') / 'results.db'}"
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def tuned(request, tmp_path_factory, ray_cluster):
+    url = module_db_url(request, tmp_path_factory)
     db = open_database(url)
     cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=4, seed=2,
                       workload=Workload(n_prompt=64, n_gen=16, reps=2))

@@ -14,7 +14,7 @@ from orchestrator.space import SearchSpace
 from orchestrator.studies import StudyConfig
 from orchestrator.transfer import ConfigPredictor, Example, Features
 from orchestrator.tune import tune
-from tests.conftest import SIM_CHIPS
+from tests.conftest import SIM_CHIPS, module_db_url
 from workers import simulated
 from workers.errors import BadInput
 from workers.simulated import sim_model_info
@@ -53,10 +53,10 @@ def test_too_little_evidence_is_one_clear_error():
         ConfigPredictor([])
 
 
-@pytest.fixture(scope="module")
-def fleet_db(tmp_path_factory, ray_cluster):
-    """Two chips of the simulated fleet tuned (tg), in one database."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('schedules') / 'results.db'}"
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def fleet_db(request, tmp_path_factory, ray_cluster):
+    """Two chips of the simulated fleet tuned (tg), in one database (SQLite, then PostgreSQL)."""
+    url = module_db_url(request, tmp_path_factory)
     db = open_database(url)
     cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=6, seed=4,
                       workload=Workload(n_prompt=128, n_gen=16, reps=1))
