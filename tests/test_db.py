@@ -78,3 +78,23 @@ def test_password_never_shown():
     with pytest.raises(BadInput) as info:
         open_database(url)
     assert "s3cret" not in str(info.value)
+
+
+def test_the_head_reconnects_after_postgresql_drops_its_connections(pg_url, pg_server, model_info):
+    """What a server restart does to the head's pooled connections: every one is terminated."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    from orchestrator.db import open_database, repo
+
+    db = open_database(pg_url)
+    with db.session() as s:
+        repo.upsert_model(s, model_info)
+    name = make_url(pg_url).database
+    with pg_server.connect() as conn:
+        killed = conn.execute(text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = :name AND pid <> pg_backend_pid()"), {"name": name}).scalar()
+    assert killed >= 1  # the head's pooled connection is gone
+    with db.session() as s:  # the next unit of work gets a fresh connection, nothing lost
+        assert [m.sha256 for m in repo.list_models(s)] == [model_info.sha256]
