@@ -220,3 +220,23 @@ def test_a_gpu_study_measures_full_offload_and_the_warm_start_first(sqlite_url, 
     # the second warm config is the same as full offload once clipped, so it is not measured twice
     assert first == [(ngl_max, 5, 256), (20, 6, 128)]
     assert len(rows) == 4
+
+
+def test_a_ray_or_python_version_mismatch_is_named_in_one_line(monkeypatch):
+    """Ray refuses a worker whose Ray or Python version differs from the head's; fleettune's one
+    line is Ray's own verdict, not the last line of its log."""
+    from ray._private.utils import check_version_info
+
+    from workers import join
+    from workers.errors import FleettuneError
+
+    try:  # Ray's own check, against a head that runs another Ray and Python
+        check_version_info({"ray_version": "2.9.9", "python_version": "3.10.1"}, "this node")
+    except Exception as exc:  # noqa: BLE001 - whichever type Ray raises, its text is what we want
+        verdict = str(exc)
+    log = f"Local node IP: 127.0.0.1\nTraceback (most recent call last):\n{verdict}\n--block\n"
+    monkeypatch.setattr(join.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 1, stdout="", stderr=log))
+    with pytest.raises(FleettuneError) as caught:
+        join.run_ray(["start", "--address", "127.0.0.1:6390"], token=None)
+    assert "Version mismatch" in str(caught.value) and "\n" not in str(caught.value)
