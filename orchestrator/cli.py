@@ -186,13 +186,9 @@ def model_push(model_ref, chip_key, address, db_url, fmt) -> None:
     from orchestrator import dispatch, registry
 
     info = registry.resolve(_open_db(db_url), model_ref)
-    started = dispatch.connect(address or "auto")
-    try:
+    with dispatch.connected(address or "auto"):
         nodes = [n for n in dispatch.bench_nodes(chip_key) if not n.simulated]
         outcome = dispatch.push_model(info.path, info.sha256, nodes)
-    finally:
-        if started:
-            dispatch.shutdown()
     rows = [{"node": node_id[:12], "result": result} for node_id, result in outcome.items()]
     click.echo(render(rows, [Column("node", "node"), Column("result", "result")], fmt))
 
@@ -507,13 +503,11 @@ def _percent(text: str) -> float:
         raise BadInput(f"{text!r}: expected a share such as 10% or 0.1") from None
 
 
-def _rollout_target(db_url, model_ref, address):
-    from orchestrator import dispatch, registry
+def _rollout_target(db_url, model_ref):
+    from orchestrator import registry
 
     db = _open_db(db_url)
-    info = registry.resolve(db, model_ref)
-    started = dispatch.connect(address or "auto")
-    return db, info, started
+    return db, registry.resolve(db, model_ref)
 
 
 @main.group()
@@ -534,12 +528,9 @@ def rollout_plan(model_ref, objective, chips, canary, address, db_url, fmt) -> N
     from orchestrator import dispatch
     from orchestrator import rollout as ro
 
-    db, info, started = _rollout_target(db_url, model_ref, address)
-    try:
+    db, info = _rollout_target(db_url, model_ref)
+    with dispatch.connected(address or "auto"):
         plans = ro.plan(db, info, objective, chips.split(",") if chips else None, _percent(canary))
-    finally:
-        if started:
-            dispatch.shutdown()
     rows = [{"chip": p.chip_key, "flags": _payload_flags(p.payload), "expected_tps": p.expected_tps,
              "current": p.current or "-", "nodes": len(p.nodes), "canaries": p.n_canary,
              "simulated": p.simulated} for p in plans]
@@ -582,14 +573,11 @@ def rollout_start(model_ref, objective, chips, canary, tolerance, dry_run, addre
         ctx = click.get_current_context()
         return ctx.invoke(rollout_plan, model_ref=model_ref, objective=objective, chips=chips,
                           canary=canary, address=address, db_url=db_url, fmt=fmt)
-    db, info, started = _rollout_target(db_url, model_ref, address)
-    try:
+    db, info = _rollout_target(db_url, model_ref)
+    with dispatch.connected(address or "auto"):
         rollout_id = ro.start(db, info, objective=objective, chips=chips.split(",") if chips else None,
                               canary_share=_percent(canary), tolerance=_percent(tolerance),
                               on_step=lambda text: click.echo(text, err=True))
-    finally:
-        if started:
-            dispatch.shutdown()
     rows = ro.status_rows(db, rollout_id)
     click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
                       title=f"rollout {rollout_id}: {rows[0]['rollout_state'] if rows else '?'}"))
@@ -625,12 +613,8 @@ def rollout_rollback(rollout_id, address, db_url) -> None:
             if latest is None:
                 raise BadInput("no rollout yet")
             rollout_id = latest.id
-    started = dispatch.connect(address or "auto")
-    try:
+    with dispatch.connected(address or "auto"):
         restored = ro.rollback(db, rollout_id)
-    finally:
-        if started:
-            dispatch.shutdown()
     click.echo(f"rollout {rollout_id}: {restored} node(s) restored")
 
 
@@ -646,12 +630,8 @@ def rollout_sync(model_ref, address, db_url, fmt) -> None:
 
     db = _open_db(db_url)
     info = registry.resolve(db, model_ref) if model_ref else None
-    started = dispatch.connect(address or "auto")
-    try:
+    with dispatch.connected(address or "auto"):
         rows = ro.sync(db, info)
-    finally:
-        if started:
-            dispatch.shutdown()
     click.echo(render(rows, [Column("chip", "chip"), Column("node", "node"),
                              Column("version", "version", justify="right"), Column("changed", "changed")], fmt))
 
@@ -920,17 +900,13 @@ def fleet_status(address, db_url, fmt) -> None:
     from orchestrator import dispatch, fleet
 
     db = _open_db(db_url)
-    started = dispatch.connect(address or "auto")
-    try:
+    with dispatch.connected(address or "auto"):
         rows = []
         for n in fleet.fleet_status(db):
             row = dict(n.__dict__)
             row["last_seen"] = n.last_seen.strftime("%Y-%m-%d %H:%M") if n.last_seen else None
             row["flag"] = f"slow {n.slow_by:.0%}" if n.slow_by else ("sim" if n.simulated else "")
             rows.append(row)
-    finally:
-        if started:
-            dispatch.shutdown()
     click.echo(render(rows, STATUS_COLUMNS, fmt))
 
 

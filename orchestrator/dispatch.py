@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from workers import agent
@@ -104,6 +106,17 @@ def shutdown() -> None:
     import ray
 
     ray.shutdown()
+
+
+@contextmanager
+def connected(address: str | None, *, local_chip_key: str | None = None) -> Iterator[None]:
+    """``connect`` for the duration of a block; Ray is shut down after it only if this started it."""
+    started = connect(address, local_chip_key=local_chip_key)
+    try:
+        yield
+    finally:
+        if started:
+            shutdown()
 
 
 def bench_nodes(chip_key: str | None = None) -> list[BenchNode]:

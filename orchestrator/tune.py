@@ -96,8 +96,7 @@ def tune_all_chips(
     if cfg.name:
         raise BadInput("--study names one study; with --all-chips the names are chosen per chip")
     cfg.validate()
-    started = dispatch.connect(address, local_chip_key=None if address else fingerprint_live().chip_key)
-    try:
+    with dispatch.connected(address, local_chip_key=None if address else fingerprint_live().chip_key):
         infos = dispatch.describe_nodes(dispatch.bench_nodes())
         by_chip = nodes_by_chip(infos, is_sim_model(cfg.model.path))
         if not by_chip:
@@ -112,9 +111,6 @@ def tune_all_chips(
             runner.target.node_ids.update(record_nodes(db, chosen))
         with ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix="study") as pool:
             return list(pool.map(lambda rc: rc[0].run(), runners))
-    finally:
-        if started:
-            dispatch.shutdown()
 
 
 def tune(
@@ -130,8 +126,7 @@ def tune(
     """Run one study end to end; in embedded mode Ray is started here and stopped at the end."""
     cfg.validate()
     local_key = None if address else fingerprint_live().chip_key
-    started = dispatch.connect(address, local_chip_key=local_key)
-    try:
+    with dispatch.connected(address, local_chip_key=local_key):
         nodes = dispatch.bench_nodes(chip_key)
         if not nodes and chip_key:
             raise BadInput(f"unknown chip {chip_key!r}: no bench node has it")
@@ -143,6 +138,3 @@ def tune(
         if on_ready:
             on_ready(runner)
         return runner.run()
-    finally:
-        if started:
-            dispatch.shutdown()
