@@ -48,7 +48,14 @@ def hardware(db: Database, chip_key: str) -> Hardware:
     raise BadInput(f"unknown chip {chip_key!r}: not in the fleet's database nor in the chip table")
 
 
+def _describable(model: ModelInfo) -> bool:
+    return model.size_bytes > 0 and model.n_layer > 0 and model.n_params > 0
+
+
 def features(hw: Hardware, model: ModelInfo) -> transfer.Features:
+    if not _describable(model):
+        raise BadInput(f"model {model.name}: its size and layer count are unknown (imported?); "
+                       "register the GGUF file to predict for it")
     bpw = model.size_bytes * 8 / model.n_params if model.n_params else 4.5
     return transfer.Features(hw.p_cores, hw.e_cores, hw.gpu_cores, hw.bandwidth_gbs, hw.memory_gb,
                              float(model.size_bytes), model.n_layer, bpw)
@@ -60,9 +67,10 @@ def examples(db: Database, objective: str, simulated: bool) -> list[transfer.Exa
     with db.session() as s:
         for rec in repo.all_latest_recommendations(s, objective, simulated):
             hw = _hardware_of_row(rec.chip)
-            if hw is None or rec.expected_tps <= 0:
-                continue
-            out.append(transfer.Example(rec.chip.key, features(hw, repo.model_info_of(rec.model)),
+            model = repo.model_info_of(rec.model)
+            if hw is None or rec.expected_tps <= 0 or not _describable(model):
+                continue  # e.g. a model imported from llama-bench output, its layers unknown
+            out.append(transfer.Example(rec.chip.key, features(hw, model),
                                         BenchParams.from_dict(rec.params), rec.expected_tps))
     return out
 
@@ -107,11 +115,10 @@ def warm_start(db: Database, chip_key: str, model: ModelInfo, objective: str, si
     """What a new study measures first: the predicted configuration, then the best configurations
     of the nearest known chips. Empty when the fleet knows too little (the sampler starts cold)."""
     try:
-        hw = hardware(db, chip_key)
+        target = features(hardware(db, chip_key), model)
         model_predictor, _ = predictor(db, objective, simulated)
     except BadInput:
         return []
-    target = features(hw, model)
     pred = model_predictor.predict(target)
     return [pred.params, *(params for key, params in pred.nearest if key != chip_key)]
 
