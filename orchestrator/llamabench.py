@@ -297,9 +297,7 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
             if key not in studies:
                 chip = repo.upsert_chip(s, fp)
                 model_row = repo.upsert_model(s, info)
-                base = f"llama-bench/{fp.chip_key}/{info.name}/{file.stem}"
-                taken = set(repo.study_names_like(s, base))
-                name = base if base not in taken else f"{base}#{len(taken) + 1}"
+                name = repo.free_study_name(s, f"llama-bench/{fp.chip_key}/{info.name}/{file.stem}")
                 studies[key] = repo.add_study(
                     s, name=name, chip_id=chip.id, model_id=model_row.id, objective="tg",
                     n_prompt=max((r.n_tokens for r in rows if r.kind == "pp"), default=0),

@@ -156,11 +156,16 @@ def learn_all(db: Database, model: ModelInfo | None = None) -> list[dict]:
 
 def study_records(session, study_id: int) -> list[learn.TrialRecord]:
     """A study's completed trials as learning records."""
+    return trial_records(repo.study_trials(session, study_id))
+
+
+def trial_records(rows) -> list[learn.TrialRecord]:
+    """Stored trials (their completed ones) as learning records."""
     return [
         learn.TrialRecord(
             trial_id=r.id, phase=r.phase, params=BenchParams.from_dict(r.params),
             samples=tuple(learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples),
             simulated=r.simulated,
         )
-        for r in repo.study_trials(session, study_id) if r.state == "complete"
+        for r in rows if r.state == "complete"
     ]

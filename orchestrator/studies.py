@@ -184,7 +184,8 @@ class StudyRunner:
                 repo.fail_running_trials(s, existing.id, ORPHANED)
                 repo.set_study_state(s, existing.id, "running")
             else:
-                self.name = cfg.name or self._free_name(s)
+                self.name = cfg.name or repo.free_study_name(s, default_study_name(
+                    self.target.key, cfg.model, cfg.objective, cfg.workload))
                 self.space = space
                 if cfg.sampler == "grid":
                     self.budget = min(self.budget, grid_size(space))
@@ -233,16 +234,6 @@ class StudyRunner:
                 f"study {study.name!r} is for another chip, model or workload "
                 f"({study.chip.key}, {study.model.name}, {study.objective} p{study.n_prompt} g{study.n_gen})"
             )
-
-    def _free_name(self, session) -> str:
-        base = default_study_name(self.target.key, self.cfg.model, self.cfg.objective, self.cfg.workload)
-        taken = set(repo.study_names_like(session, base))
-        if base not in taken:
-            return base
-        n = 2
-        while f"{base}#{n}" in taken:
-            n += 1
-        return f"{base}#{n}"
 
     def _optuna_study(self) -> optuna.Study:
         storage = HeadStorage(RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url)))
@@ -454,13 +445,13 @@ class StudyRunner:
                 self.optuna_study.tell(trial, state=TrialState.FAIL)
 
     def _records(self) -> tuple[list[learn.TrialRecord], dict[int, float]]:
-        from orchestrator.schedules import study_records
+        from orchestrator.schedules import trial_records
 
         with self.db.session() as s:
-            records = study_records(s, self.study_id)
-            values = {r.id: r.objective_value for r in repo.study_trials(s, self.study_id)
+            rows = repo.study_trials(s, self.study_id)
+            values = {r.id: r.objective_value for r in rows
                       if r.state == "complete" and r.objective_value is not None}
-        return records, values
+            return trial_records(rows), values
 
     def _confirm(self) -> None:
         """Measure the top configurations and the baseline again, in one round.

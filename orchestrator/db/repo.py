@@ -129,8 +129,15 @@ def get_study(session: Session, name: str) -> Study | None:
     )
 
 
-def study_names_like(session: Session, prefix: str) -> list[str]:
-    return list(session.scalars(select(Study.name).where(Study.name.startswith(prefix))))
+def free_study_name(session: Session, base: str) -> str:
+    """``base``, or ``base#2``, ``base#3``, ... the first that no study has."""
+    taken = set(session.scalars(select(Study.name).where(Study.name.startswith(base))))
+    if base not in taken:
+        return base
+    n = 2
+    while f"{base}#{n}" in taken:
+        n += 1
+    return f"{base}#{n}"
 
 
 def latest_study(
