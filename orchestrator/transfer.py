@@ -96,7 +96,7 @@ class ConfigPredictor:
         # cores); a Bayesian ridge on those gives a mean and a predictive deviation.
         self._speed = make_pipeline(StandardScaler(), BayesianRidge()).fit(
             x[:, SPEED_FEATURES], np.array([math.log(e.expected_tps) for e in examples]))
-        self._scaler = StandardScaler().fit(x)
+        self._scaled = self._config[0].transform(x)  # the examples in the neighbours' own scale
 
     def predict(self, features: Features, k_nearest: int = 2) -> Prediction:
         x = np.array([features.vector()])
@@ -120,11 +120,11 @@ class ConfigPredictor:
 
     def nearest(self, features: Features, k: int) -> list[Example]:
         """The known chips most like this one (standardised feature distance), one example each."""
-        z = self._scaler.transform(np.array([features.vector()]))[0]
-        ranked = sorted(self.examples, key=lambda e: float(np.sum(
-            (self._scaler.transform(np.array([e.features.vector()]))[0] - z) ** 2)))
+        z = self._config[0].transform(np.array([features.vector()]))[0]
+        distances = np.sum((self._scaled - z) ** 2, axis=1)
         out, seen = [], set()
-        for example in ranked:
+        for i in np.argsort(distances, kind="stable"):
+            example = self.examples[i]
             if example.key not in seen:
                 seen.add(example.key)
                 out.append(example)
