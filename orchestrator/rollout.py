@@ -167,7 +167,7 @@ def run(db: Database, rollout_id: int, model: ModelInfo, applier: Applier, on_st
                 try:
                     previous = applier.apply(node_id, payload)
                 except Exception as exc:  # noqa: BLE001 - any failure to apply is a failed step
-                    _fail(db, rollout_id, row_id, None, f"apply failed: {exc}")
+                    _set(db, row_id, state="failed", reason=f"apply failed: {exc}")
                     rollback(db, rollout_id, applier, f"node {node_id[:12]} could not apply: {exc}")
                     return
                 _set(db, row_id, state="applied", previous=previous)
@@ -180,7 +180,7 @@ def run(db: Database, rollout_id: int, model: ModelInfo, applier: Applier, on_st
                     got = "the benchmark failed" if measured is None else f"{measured:.2f} tok/s"
                     reason = (f"canary {node_id[:12]} ({chip_key}): {got}, expected at least {floor:.2f} "
                               f"({payload['expected_tps']:.2f} - {tolerance:.0%})")
-                    _fail(db, rollout_id, row_id, measured, reason)
+                    _set(db, row_id, state="failed", measured_tps=measured, reason=reason)
                     on_step(reason)
                     rollback(db, rollout_id, applier, reason)
                     return
@@ -197,10 +197,6 @@ def _set(db: Database, row_id: int, **fields) -> None:
         for key, value in fields.items():
             setattr(row, key, value)
         row.updated_at = utcnow()
-
-
-def _fail(db: Database, rollout_id: int, row_id: int, measured: float | None, reason: str) -> None:
-    _set(db, row_id, state="failed", measured_tps=measured, reason=reason)
 
 
 def rollback(db: Database, rollout_id: int, applier: Applier | None = None, reason: str = "rolled back by hand"
