@@ -60,11 +60,16 @@ def grid_optimum(chip, shape, space: SearchSpace, objective: str, scenario: str)
 
 
 def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, objective: str,
-              scenario: str, optimum: float) -> int:
-    """Trials until the incumbent is truly within 2 % of the optimum (budget + 1 if never)."""
+              scenario: str, optimum: float, warm=()) -> int:
+    """Trials until the incumbent is truly within 2 % of the optimum (budget + 1 if never).
+
+    ``warm``: configurations measured first (moved into the space), as a warm-started study does.
+    """
     direction = DIRECTIONS[objective]
     study = optuna.create_study(direction=direction,
                                 sampler=make_sampler(sampler_name, space, budget, direction, seed))
+    for params in warm:
+        study.enqueue_trial(space.optuna_params(space.clip(params)), skip_if_exists=True)
     node = simulated.SimulatedNode(chip, shape_for=lambda _: shape, scenario=scenario, seed=seed)
     best_observed, incumbent = None, None
     for n in range(1, budget + 1):

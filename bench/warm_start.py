@@ -24,44 +24,13 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from search_efficiency import WORKLOAD, grid_optimum, space_for, true_value  # noqa: E402
+from search_efficiency import grid_optimum, run_study, space_for, true_value  # noqa: E402
 
-from orchestrator.learn import DIRECTIONS  # noqa: E402
-from orchestrator.samplers import make_sampler  # noqa: E402
-from orchestrator.transfer import ConfigPredictor, Example, Features  # noqa: E402
+from orchestrator.schedules import features  # noqa: E402
+from orchestrator.transfer import ConfigPredictor, Example  # noqa: E402
 from workers import simulated  # noqa: E402
-from workers.trial import TrialSpec  # noqa: E402
 
 MODEL = ("llama2-7b", "q4_0")
-
-
-def features(chip, shape) -> Features:
-    return Features(chip.p_cores, chip.e_cores, chip.gpu_cores, chip.bandwidth_gbs, chip.memory_gb,
-                    shape.file_bytes, shape.n_layer, shape.bpw)
-
-
-def trials_to_98(chip, shape, space, sampler_name, seed, budget, scenario, optimum, warm) -> int:
-    direction = DIRECTIONS["tg"]
-    study = optuna.create_study(direction=direction,
-                                sampler=make_sampler(sampler_name, space, budget, direction, seed))
-    for params in warm:
-        study.enqueue_trial(space.optuna_params(space.clip(params)), skip_if_exists=True)
-    node = simulated.SimulatedNode(chip, shape_for=lambda _: shape, scenario=scenario, seed=seed)
-    best, incumbent = None, None
-    for n in range(1, budget + 1):
-        trial = study.ask()
-        params = space.suggest(trial)
-        result = node.measure(TrialSpec("sim://x", "x", params, WORKLOAD, trial_key=f"{seed}-{n}"))
-        if not result.ok:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            continue
-        value = result.tg.median
-        study.tell(trial, value)
-        if best is None or value > best:
-            best, incumbent = value, params
-        if true_value(chip, shape, incumbent, "tg", scenario) >= 0.98 * optimum:
-            return n
-    return budget + 1
 
 
 def main() -> int:
@@ -74,24 +43,25 @@ def main() -> int:
     args = ap.parse_args()
     started = time.time()
     shape = simulated.model_shape(*MODEL)
+    model = simulated.sim_model_info(f"sim://{MODEL[0]}/{MODEL[1]}")
     chips = [simulated.with_memory(c, max(c.memory_gb, 32)) for c in simulated.all_chips()]
     known = {}
     for chip in chips:
         params, _, value = simulated.optimum(chip, shape, "tg", scenario=args.scenario)
-        known[chip.chip_key] = Example(chip.chip_key, features(chip, shape), params, value)
+        known[chip.chip_key] = Example(chip.chip_key, features(chip, model), params, value)
     cold, warm, quality = [], [], []
     for chip in chips:
         predictor = ConfigPredictor([e for k, e in known.items() if k != chip.chip_key])
-        pred = predictor.predict(features(chip, shape))
+        pred = predictor.predict(features(chip, model))
         configs = [pred.params, *(p for _, p in pred.nearest)]
         space = space_for(chip, shape)
         optimum = grid_optimum(chip, shape, space, "tg", args.scenario)
         quality.append(true_value(chip, shape, space.clip(pred.params), "tg", args.scenario) / optimum)
         for seed in range(args.seeds):
-            cold.append(trials_to_98(chip, shape, space, args.sampler, seed, args.budget, args.scenario,
-                                     optimum, []))
-            warm.append(trials_to_98(chip, shape, space, args.sampler, seed, args.budget, args.scenario,
-                                     optimum, configs))
+            cold.append(run_study(chip, shape, space, args.sampler, seed, args.budget, "tg",
+                                  args.scenario, optimum))
+            warm.append(run_study(chip, shape, space, args.sampler, seed, args.budget, "tg",
+                                  args.scenario, optimum, warm=configs))
     print(f"{len(chips)} chip bins held out one at a time x {args.seeds} seeds, {MODEL[0]} {MODEL[1]}, "
           f"tg, scenario {args.scenario}, sampler {args.sampler}, budget {args.budget}, "
           f"{time.time() - started:.0f}s")
