@@ -105,6 +105,21 @@ def module_db_url(request, tmp_path_factory) -> str:
     return make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
 
 
+def tuned_sim_fleet(url: str, model_ref: str, **study) -> str:
+    """Tune ``model_ref`` (sim://) on each stable simulated chip of the session cluster, cold;
+    returns ``url``, whose database then holds one recommendation per chip."""
+    from orchestrator.db import open_database
+    from orchestrator.studies import StudyConfig
+    from orchestrator.tune import tune
+    from workers.simulated import sim_model_info
+
+    db = open_database(url)
+    cfg = StudyConfig(model=sim_model_info(model_ref), **study)
+    for chip in SIM_CHIPS.values():
+        tune(db, cfg, chip_key=chip, warm=False)
+    return url
+
+
 @pytest.fixture
 def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'results.db'}"

@@ -13,7 +13,7 @@ from orchestrator.cli import main
 from orchestrator.db import open_database, repo
 from orchestrator.studies import StudyConfig
 from orchestrator.tune import tune
-from tests.conftest import SIM_CHIPS, module_db_url
+from tests.conftest import SIM_CHIPS, module_db_url, tuned_sim_fleet
 from workers import nodeconfig
 from workers.errors import BadInput
 from workers.simulated import sim_model_info
@@ -24,13 +24,8 @@ SIM_MODEL = "sim://llama2-13b/q4_0"  # a model no other test rolls out
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def tuned(request, tmp_path_factory, ray_cluster):
-    url = module_db_url(request, tmp_path_factory)
-    db = open_database(url)
-    cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=4, seed=2,
-                      workload=Workload(n_prompt=64, n_gen=16, reps=2))
-    for chip in SIM_CHIPS.values():
-        tune(db, cfg, chip_key=chip, warm=False)
-    return url
+    return tuned_sim_fleet(module_db_url(request, tmp_path_factory), SIM_MODEL, n_trials=4, seed=2,
+                           workload=Workload(n_prompt=64, n_gen=16, reps=2))
 
 
 def cli(*args, code=0):

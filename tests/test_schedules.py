@@ -12,9 +12,9 @@ from orchestrator.cli import main
 from orchestrator.db import open_database, repo
 from orchestrator.space import SearchSpace
 from orchestrator.studies import StudyConfig
-from orchestrator.transfer import ConfigPredictor, Example, Features
+from orchestrator.transfer import ConfigPredictor, Example
 from orchestrator.tune import tune
-from tests.conftest import SIM_CHIPS, module_db_url
+from tests.conftest import SIM_CHIPS, module_db_url, tuned_sim_fleet
 from workers import simulated
 from workers.errors import BadInput
 from workers.simulated import sim_model_info
@@ -23,24 +23,20 @@ from workers.trial import Workload
 SIM_MODEL = "sim://llama2-7b/q4_0"
 
 
-def features(chip, shape) -> Features:
-    return Features(chip.p_cores, chip.e_cores, chip.gpu_cores, chip.bandwidth_gbs, chip.memory_gb,
-                    shape.file_bytes, shape.n_layer, shape.bpw)
-
-
 @pytest.mark.parametrize("held_out", ["M3", "M4 Max"])
 def test_a_chip_family_never_measured_gets_a_configuration_within_10_percent(held_out):
     shape = simulated.model_shape("llama2-7b", "q4_0")
+    model = sim_model_info(SIM_MODEL)
     chips = [simulated.with_memory(c, 32) for c in simulated.all_chips()
              if c.family in ("M1", "M1 Pro", "M1 Max", "M2 Ultra", "M3 Pro", "M3 Max", "M4", "M4 Max")]
     known = [c for c in chips if c.family != held_out]
     examples = []
     for chip in known:
         params, _, value = simulated.optimum(chip, shape, "tg")
-        examples.append(Example(chip.chip_key, features(chip, shape), params, value))
+        examples.append(Example(chip.chip_key, schedules.features(chip, model), params, value))
     predictor = ConfigPredictor(examples)
     for chip in (c for c in chips if c.family == held_out):
-        pred = predictor.predict(features(chip, shape))
+        pred = predictor.predict(schedules.features(chip, model))
         _, _, best = simulated.optimum(chip, shape, "tg")
         achieved = simulated.predict(chip, shape, pred.params, 512, 128).tg_tps
         assert achieved >= 0.9 * best, (chip.label, pred.params)
@@ -56,13 +52,8 @@ def test_too_little_evidence_is_one_clear_error():
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def fleet_db(request, tmp_path_factory, ray_cluster):
     """Two chips of the simulated fleet tuned (tg), in one database (SQLite, then PostgreSQL)."""
-    url = module_db_url(request, tmp_path_factory)
-    db = open_database(url)
-    cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=6, seed=4,
-                      workload=Workload(n_prompt=128, n_gen=16, reps=1))
-    for chip in SIM_CHIPS.values():
-        tune(db, cfg, chip_key=chip)
-    return url
+    return tuned_sim_fleet(module_db_url(request, tmp_path_factory), SIM_MODEL, n_trials=6, seed=4,
+                           workload=Workload(n_prompt=128, n_gen=16, reps=1))
 
 
 def cli_json(*args):
