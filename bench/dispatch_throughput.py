@@ -58,9 +58,11 @@ class VirtualFleet:
         self._next = 0
 
     def submit(self, spec: TrialSpec, chip_key, node_id=None):
-        node = self.free.pop() if node_id is None or node_id not in self.free else node_id
-        if node_id in self.free:
+        if node_id in self.free:  # pinned to a free node: that one, else any free node
             self.free.remove(node_id)
+            node = node_id
+        else:
+            node = self.free.pop()
         now = time.monotonic()
         self.first_submit = self.first_submit or now
         ref, self._next = self._next, self._next + 1

@@ -433,13 +433,14 @@ BEST_COLUMNS = [
 def best(model_ref, chip, objective, db_url, fmt) -> None:
     """The recommended configuration: llama.cpp flags and llama-cpp-python kwargs."""
     from orchestrator import queries
+    from workers.trial import llama_cpp_python_code
 
     rows = queries.best_rows(_open_db(db_url), model_ref, chip, objective)
     click.echo(render(rows, BEST_COLUMNS, fmt))
     if fmt == "table":
         for row in rows:
-            click.echo(f"\n{row['chip']} ({row['objective']}): llama_cpp.Llama(model_path, "
-                       + ", ".join(f"{k}={v!r}" for k, v in row["llama_cpp_python"].items()) + ")")
+            click.echo(f"\n{row['chip']} ({row['objective']}): "
+                       + llama_cpp_python_code(row["llama_cpp_python"]))
 
 
 # ---------------------------------------------------------------- schedules

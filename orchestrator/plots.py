@@ -63,8 +63,7 @@ Figure = Heatmap | Bars | Lines
 
 
 def _study_rows(db: Database, study: str) -> list[dict]:
-    rows = queries.trial_rows(db, study=study, state="complete")
-    rows = [r for r in rows if r["study"] == study]
+    rows = queries.trial_rows(db, study=study, state="complete")  # exactly this study's
     if not rows:
         raise BadInput(f"study {study!r} has no completed trials")
     return rows

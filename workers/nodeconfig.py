@@ -16,7 +16,7 @@ from pathlib import Path
 
 from workers.errors import BadInput
 from workers.paths import data_dir
-from workers.trial import BenchParams
+from workers.trial import BenchParams, llama_cpp_python_code
 
 KEYS = {"version", "rollout_id", "model_sha256", "model_name", "objective", "params", "expected_tps"}
 PARAM_BOUNDS = {"n_gpu_layers": (0, 1000), "n_threads": (1, 1024), "n_batch": (1, 65536),
@@ -111,6 +111,5 @@ def render(payload: dict, fmt: str) -> str:
                           f"PARAMETER num_thread {params.n_threads}",
                           f"PARAMETER num_batch {params.n_batch}"])
     if fmt == "python":
-        kwargs = ", ".join(f"{k}={v!r}" for k, v in params.llama_cpp_python_kwargs().items())
-        return f"llama_cpp.Llama(model_path, {kwargs})"
+        return llama_cpp_python_code(params.llama_cpp_python_kwargs())
     raise BadInput(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")

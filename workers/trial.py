@@ -52,6 +52,11 @@ class BenchParams:
         }
 
 
+def llama_cpp_python_code(kwargs: dict) -> str:
+    """The Python line that loads a model with these ``llama_cpp.Llama`` keyword arguments."""
+    return "llama_cpp.Llama(model_path, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+
+
 @dataclass(frozen=True)
 class Workload:
     """How a trial is measured: pp of ``n_prompt`` tokens, tg of ``n_gen`` tokens, ``reps`` times."""
