@@ -147,3 +147,17 @@ def test_sync_restores_a_lost_config_file(tuned):
     assert [r["changed"] for r in synced if lost.startswith(r["node"])] == [True]
     assert not any(r["changed"] for r in synced if not lost.startswith(r["node"]))
     assert nodeconfig.read(lost) == expected
+
+
+def test_rollback_by_hand_restores_what_each_node_had(tuned):
+    from orchestrator.db.models import Rollout
+
+    db = open_database(tuned)
+    with db.session() as s:
+        latest = repo.latest_rollout(s)
+        assert latest.state == "promoted"
+        had = {n.ray_node_id: n.previous for n in s.get(Rollout, latest.id).nodes}
+    out = cli("rollout", "rollback", "--db", tuned).output
+    assert f"rollout {latest.id}: {len(had)} node(s) restored" in out
+    assert {r["rollout_state"] for r in ro.status_rows(db)} == {"rolled_back"}
+    assert {node: nodeconfig.read(node) for node in had} == had

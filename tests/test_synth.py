@@ -86,3 +86,25 @@ def test_a_write_that_fails_midway_leaves_nothing(tmp_path, model_path, monkeypa
 def test_other_quantisations_read_back(tmp_path, model_path, quant):
     info = synthesize("tiny", quant, model_path, tmp_path / f"tiny-{quant}.gguf")
     assert read_model_info(info.path).file_type == quant.upper()
+
+
+def test_model_synth_command_writes_and_registers(tmp_path, model_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    out = tmp_path / "tiny.gguf"
+    result = CliRunner().invoke(main, ["model", "synth", "--shape", "tiny", "--vocab-from", str(model_path),
+                                       "-o", str(out), "--db", url, "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output)[0]
+    assert row["path"] == str(out.resolve()) and row["n_layer"] == ARCH_SHAPES["tiny"].n_layer
+    listed = json.loads(CliRunner().invoke(main, ["model", "list", "--db", url, "--json"]).output)
+    assert [m["sha256"] for m in listed] == [row["sha256"]]
+    missing = CliRunner().invoke(main, ["model", "synth", "--shape", "tiny", "--vocab-from",
+                                        str(tmp_path / "none.gguf"), "-o", str(tmp_path / "x.gguf"), "--db", url])
+    assert missing.exit_code == 2 and "no such model file" in missing.output
+    assert not (tmp_path / "x.gguf").exists()
