@@ -10,11 +10,17 @@ a DB row written when each trial starts and when it ends, results stored with th
 - ``ray``: a real Ray cluster (``ray.cluster_utils.Cluster``) with R raylets, each a simulated Mac
   with one bench slot, trials sleeping ``--trial-s`` seconds: the head's overhead plus Ray's.
 
-Utilisation = the nodes' busy seconds / (nodes x wall seconds from the first submit to the last
-result), fill and drain included; the head's time per trial = (wall - time blocked waiting for
-results) / trials. Run:
+With ``--chips K`` (virtual) the nodes are split over K chips and one study per chip runs at
+once, in threads of one process, as ``tune --all-chips`` runs them.
+
+Utilisation = the nodes' busy seconds / (nodes x seconds of a window), per study, node-weighted:
+``steady`` from the first search trial's start to the last one's start (while the study has
+trials to hand out: what is idle then waits for the head), ``search`` to the last one's end (the
+drain at the budget's end included), ``study`` the same for all phases (baseline, search,
+confirmation). The head's time per trial = the process's CPU seconds / trials. Run:
 
     python bench/dispatch_throughput.py virtual --nodes 256 --trials 2048 --trial-s 1 --db sqlite
+    python bench/dispatch_throughput.py virtual --nodes 256 --chips 8 --trials 512 --trial-s 1
     python bench/dispatch_throughput.py ray --nodes 32 --trials 256 --trial-s 1
 """
 
@@ -27,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,18 +50,16 @@ WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=1)
 
 
 class VirtualFleet:
-    """A Dispatcher over N in-process nodes: each trial holds its node for ``trial_s`` seconds."""
+    """A Dispatcher over N in-process nodes of one chip: each trial holds its node ``trial_s`` s."""
 
-    def __init__(self, n_nodes: int, trial_s: float) -> None:
+    def __init__(self, chip: simulated.ChipSpec, n_nodes: int, trial_s: float, prefix: str = "virtual") -> None:
         self.trial_s = trial_s
-        self.free = [f"virtual-{i:03d}" for i in range(n_nodes)]
-        self.node = simulated.SimulatedNode(simulated.parse_chip(CHIP), seed=1, time_scale=0.0)
+        self.nodes = [f"{prefix}-{i:03d}" for i in range(n_nodes)]
+        self.free = list(self.nodes)
+        self.node = simulated.SimulatedNode(chip, seed=1, time_scale=0.0)
         self.finish: list[tuple[float, int]] = []  # (finish time, ref)
         self.specs: dict[int, tuple[TrialSpec, str, float]] = {}
-        self.busy_s = 0.0
-        self.waited_s = 0.0  # time the head spent waiting for results: the rest is its own work
-        self.first_submit: float | None = None
-        self.last_result = 0.0
+        self.spans: list[tuple[str, float, float]] = []  # (phase, started, ended) on its node
         self._next = 0
 
     def submit(self, spec: TrialSpec, chip_key, node_id=None):
@@ -64,7 +69,6 @@ class VirtualFleet:
         else:
             node = self.free.pop()
         now = time.monotonic()
-        self.first_submit = self.first_submit or now
         ref, self._next = self._next, self._next + 1
         heapq.heappush(self.finish, (now + self.trial_s, ref))
         self.specs[ref] = (spec, node, now)
@@ -76,7 +80,6 @@ class VirtualFleet:
         delay = self.finish[0][0] - time.monotonic()
         if delay > 0:
             time.sleep(min(delay, timeout_s))
-            self.waited_s += min(delay, timeout_s)
         done, now = [], time.monotonic()
         while self.finish and self.finish[0][0] <= now:
             done.append(heapq.heappop(self.finish)[1])
@@ -85,9 +88,7 @@ class VirtualFleet:
     def result(self, ref, trial_key: str) -> TrialResult:
         spec, node, started = self.specs.pop(ref)
         self.free.append(node)
-        now = time.monotonic()
-        self.busy_s += self.trial_s
-        self.last_result = now
+        self.spans.append((trial_key.split("-")[0], started, started + self.trial_s))
         result = self.node.measure(spec)
         result.node_id = node
         return result
@@ -96,7 +97,33 @@ class VirtualFleet:
         self.specs.pop(ref, None)
 
     def alive(self) -> list[str]:
-        return [f"virtual-{i:03d}" for i in range(len(self.free) + len(self.specs))]
+        return self.nodes
+
+
+def utilisation(spans: list[tuple[str, float, float]], n_nodes: int, phase: str | None = None,
+                steady: bool = False) -> float:
+    """Busy node-seconds over available node-seconds in a window from the first trial's start.
+
+    The window ends at the last trial's end, or with ``steady`` at the last trial's start: after
+    it the study has nothing left to hand out, so what is idle then is the budget's end (drain),
+    not the head.
+    """
+    spans = [sp for sp in spans if phase is None or sp[0] == phase]
+    first = min(start for _, start, _ in spans)
+    last = max(start for _, start, _ in spans) if steady else max(end for _, _, end in spans)
+    busy = sum(max(0.0, min(end, last) - max(start, first)) for _, start, end in spans)
+    return busy / (n_nodes * (last - first))
+
+
+def utilisations(fleets: list[tuple[list, int]]) -> dict[str, float]:
+    """Node-weighted means over the studies' fleets, each fleet given as (spans, nodes)."""
+    total = sum(n for _, n in fleets)
+
+    def mean(**kw) -> float:
+        return sum(n * utilisation(spans, n, **kw) for spans, n in fleets) / total
+
+    return {"steady_utilisation": mean(phase="search", steady=True),
+            "search_utilisation": mean(phase="search"), "study_utilisation": mean()}
 
 
 def db_url(kind: str, tmp: str) -> str:
@@ -113,41 +140,39 @@ def db_url(kind: str, tmp: str) -> str:
     return admin.rsplit("/", 1)[0] + f"/{name}"
 
 
+def fleet_chips(n_chips: int) -> list[simulated.ChipSpec]:
+    """``n_chips`` different chips from the calibrated table, spread over its families."""
+    chips = simulated.all_chips()
+    if n_chips == 1:
+        return [simulated.parse_chip(CHIP)]
+    step = len(chips) / n_chips
+    return [chips[int(i * step)] for i in range(n_chips)]
+
+
 def run_virtual(args) -> dict:
+    """One study per chip, all at once (as `tune --all-chips` runs them), nodes split evenly."""
     tmp = tempfile.mkdtemp()
     db = open_database(db_url(args.db, tmp))
-    fleet = VirtualFleet(args.nodes, args.trial_s)
-    chip = simulated.parse_chip(CHIP)
-    target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
-    cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
-                      sampler=args.sampler, seed=1, confirm_top=1)
-    runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive)
-    runner.prepare()
-    start = time.monotonic()
-    runner.run()
-    wall = time.monotonic() - start
-    span = fleet.last_result - (fleet.first_submit or start)
-    n = args.trials + 2 + 2  # search + baseline + confirmation (top 1 and the baseline)
-    return {"mode": "virtual", "nodes": args.nodes, "trials": n, "trial_s": args.trial_s, "db": args.db,
-            "sampler": args.sampler, "wall_s": wall, "utilisation": fleet.busy_s / (args.nodes * span),
-            "head_ms_per_trial": 1000 * (wall - fleet.waited_s) / n, "trials_per_s": n / wall}
-
-
-class TimedDispatcher:
-    """The real Dispatcher, with the time the head spends blocked in ``wait`` counted."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.waited_s = inner, 0.0
-
-    def wait(self, refs, timeout_s):
-        start = time.monotonic()
-        try:
-            return self.inner.wait(refs, timeout_s)
-        finally:
-            self.waited_s += time.monotonic() - start
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    chips = fleet_chips(args.chips)
+    runners = []
+    for i, chip in enumerate(chips):
+        fleet = VirtualFleet(chip, args.nodes // len(chips), args.trial_s, prefix=f"chip{i}")
+        target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
+        cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
+                          sampler=args.sampler, seed=1, confirm_top=1)
+        runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive)
+        runner.prepare()
+        runners.append((runner, fleet))
+    cpu, start = time.process_time(), time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(runners)) as pool:
+        list(pool.map(lambda rf: rf[0].run(), runners))
+    wall, cpu = time.monotonic() - start, time.process_time() - cpu
+    fleets = [(fleet.spans, len(fleet.nodes)) for _, fleet in runners]
+    n_trials = sum(len(spans) for spans, _ in fleets)
+    return {"mode": "virtual", "nodes": sum(n for _, n in fleets), "chips": len(chips), "trials": n_trials,
+            "trial_s": args.trial_s, "db": args.db, "sampler": args.sampler, "wall_s": wall,
+            **utilisations(fleets),
+            "head_ms_per_trial": 1000 * cpu / n_trials, "trials_per_s": n_trials / wall}
 
 
 def run_ray(args) -> dict:
@@ -172,26 +197,22 @@ def run_ray(args) -> dict:
     target = ChipTarget(plan.fingerprint, {}, simulated=True)
     cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
                       sampler=args.sampler, seed=1, confirm_top=1)
-    alive = [n.ray_node_id for n in dispatch.bench_nodes(key)]
-    dispatcher = TimedDispatcher(dispatch.Dispatcher())
-    runner = StudyRunner(db, dispatcher, cfg, target, alive_nodes=lambda: alive)
+    runner = StudyRunner(db, dispatch.Dispatcher(), cfg, target, alive_nodes=dispatch.ChipNodes(key))
     runner.prepare()
-    start = time.monotonic()
+    cpu, start = time.process_time(), time.monotonic()
     runner.run()
-    wall = time.monotonic() - start
+    wall, cpu = time.monotonic() - start, time.process_time() - cpu
     with db.session() as s:
         from orchestrator.db import repo
 
         rows = [t for t in repo.study_trials(s, runner.study_id) if t.state == "complete"]
-        busy = sum((t.finished_at - t.started_at).total_seconds() for t in rows)
-        first = min(t.started_at for t in rows)
-        last = max(t.finished_at for t in rows)
+        spans = [(t.phase, t.started_at.timestamp(), t.finished_at.timestamp()) for t in rows]
     ray.shutdown()
     cluster.shutdown()
-    span = (last - first).total_seconds()
     return {"mode": "ray", "nodes": args.nodes, "trials": len(rows), "trial_s": args.trial_s,
-            "db": args.db, "sampler": args.sampler, "wall_s": wall, "utilisation": busy / (args.nodes * span),
-            "head_ms_per_trial": 1000 * (wall - dispatcher.waited_s) / len(rows),
+            "db": args.db, "sampler": args.sampler, "wall_s": wall,
+            **utilisations([(spans, args.nodes)]),
+            "head_ms_per_trial": 1000 * cpu / len(rows),
             "trials_per_s": len(rows) / wall}
 
 
@@ -199,7 +220,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=["virtual", "ray"])
     parser.add_argument("--nodes", type=int, default=256)
-    parser.add_argument("--trials", type=int, default=1024)
+    parser.add_argument("--trials", type=int, default=1024, help="search budget of each study")
+    parser.add_argument("--chips", type=int, default=1, help="virtual: chips (one study each) the nodes are split over")
     parser.add_argument("--trial-s", type=float, default=1.0)
     parser.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--sampler", default="tpe")

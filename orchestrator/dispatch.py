@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -132,6 +133,27 @@ def bench_nodes(chip_key: str | None = None) -> list[BenchNode]:
         if chip_key is None or key == chip_key:
             nodes.append(BenchNode(node["NodeID"], key, node.get("NodeManagerAddress", ""), labels))
     return nodes
+
+
+class ChipNodes:
+    """The ids of a chip's live bench nodes, asked of Ray at most once every ``ttl_s`` seconds.
+
+    The study loop wants them every round (how many trials can run now); ``ray.nodes()`` is a
+    round trip to the head's GCS that lists the whole cluster, too slow to repeat for every few
+    results of a large fleet. A node lost meanwhile shows as a "node lost" trial, not a hang.
+    """
+
+    def __init__(self, chip_key: str, ttl_s: float = 1.0) -> None:
+        self.chip_key, self.ttl_s = chip_key, ttl_s
+        self._ids: list[str] = []
+        self._at: float | None = None
+
+    def __call__(self) -> list[str]:
+        now = time.monotonic()
+        if self._at is None or now - self._at >= self.ttl_s:
+            self._ids = [n.ray_node_id for n in bench_nodes(self.chip_key)]
+            self._at = now
+        return self._ids
 
 
 def describe_nodes(nodes: list[BenchNode], timeout_s: float = 120) -> list[NodeInfo]:

@@ -39,6 +39,13 @@ from workers.models import ModelInfo
 from workers.trial import BenchParams, TrialResult, TrialSpec, Workload
 
 POLL_S = 0.5
+ROUND_RESULTS = 16  # results collected per round before idle nodes get new trials
+# proposals made ahead of need while results are awaited: one for every AHEAD_EVERY running
+# trials, at most AHEAD_MAX, and none below AHEAD_MIN_RUNNING (a small fleet's head has time to
+# make every proposal with every result in)
+AHEAD_EVERY = 4
+AHEAD_MAX = 64
+AHEAD_MIN_RUNNING = 32
 NO_NODE_GRACE_S = 30.0
 ORPHANED = "orphaned: the driver stopped"
 
@@ -152,6 +159,8 @@ class StudyRunner:
         self.space: SearchSpace | None = None
         self.budget = cfg.n_trials
         self.no_node_grace_s = NO_NODE_GRACE_S
+        self._best_at: int | None = None
+        self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
 
     # ---------------------------------------------------------------- setup
 
@@ -208,6 +217,7 @@ class StudyRunner:
         if existing is None and resolve_sampler(self.cfg.sampler) != "grid":  # a grid covers it all
             self._enqueue_starts()
         self._reconcile_optuna()
+        self.storage.flush()
 
     def _enqueue_starts(self) -> None:
         """A new study first measures full offload (where the GPU can take layers), then the warm
@@ -236,11 +246,11 @@ class StudyRunner:
             )
 
     def _optuna_study(self) -> optuna.Study:
-        storage = HeadStorage(RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url)))
+        self.storage = HeadStorage(RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url)))
         sampler = make_sampler(self.cfg.sampler, self.space, self.budget, self.direction, self.cfg.seed)
         return optuna.create_study(
             study_name=self.name,
-            storage=storage,
+            storage=self.storage,
             sampler=sampler,
             direction=self.direction,
             load_if_exists=True,
@@ -257,7 +267,7 @@ class StudyRunner:
             return
         with self.db.session() as s:
             stored = {r.optuna_number: r for r in repo.study_trials(s, self.study_id, "search")}
-        storage = self.optuna_study._storage
+        storage = self.storage
         for t in running:
             row = stored.get(t.number)
             if row is not None and row.state == "complete" and row.objective_value is not None:
@@ -313,27 +323,34 @@ class StudyRunner:
             trial_key=key,
         )
 
-    def _store(self, row_id: int, result: TrialResult) -> float | None:
-        """Write a result; returns its objective value (None for a failed trial)."""
+    def _evaluate(self, result: TrialResult) -> tuple[float | None, float | None]:
+        """A result's objective value (None for a failed trial) and end-to-end seconds."""
+        if not result.ok:
+            return None, None
         w = self.cfg.workload
-        pp, tg = result.pp, result.tg
-        value = e2e = None
-        if result.ok:
-            pp_m, tg_m = (pp.median if pp else None), (tg.median if tg else None)
-            value = learn.objective_value(self.cfg.objective, pp_m, tg_m, w.n_prompt, w.n_gen)
-            e2e = learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
-            if value is None:
-                result.ok, result.error = False, "no samples for the objective"
+        pp_m = result.pp.median if result.pp else None
+        tg_m = result.tg.median if result.tg else None
+        value = learn.objective_value(self.cfg.objective, pp_m, tg_m, w.n_prompt, w.n_gen)
+        if value is None:
+            result.ok, result.error = False, "no samples for the objective"
+            return None, None
+        return value, learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
+
+    def _finished(self, row_id: int, result: TrialResult) -> tuple[repo.FinishedTrial, float | None]:
+        value, e2e = self._evaluate(result)
+        node = self.target.node_ids.get(result.node_id or "")
+        return repo.FinishedTrial(row_id, result, value, e2e, node), value
+
+    def _commit(self, finished: list[repo.FinishedTrial], new: list[repo.NewTrial]) -> list[int]:
+        """One transaction: results in, rows for the trials about to be dispatched, and what Optuna
+        was told and asked since the last one. Returns the new rows' ids."""
+        if not finished and not new and not self.storage.pending():
+            return []
         with self.db.session() as s:
-            repo.finish_trial(
-                s,
-                row_id,
-                result,
-                objective_value=value if result.ok else None,
-                e2e_s=e2e,
-                node_id=self.target.node_ids.get(result.node_id or ""),
-            )
-        return value if result.ok else None
+            repo.finish_trials(s, finished)
+            ids = repo.start_trials(s, self.study_id, new, simulated=self.target.simulated)
+            self.storage.flush(s)
+        return ids
 
     def _wait_for_any(self, inflight: dict) -> list:
         """Finished refs; pauses the study when the chip has had no node for a grace period."""
@@ -357,92 +374,121 @@ class StudyRunner:
         A job pinned to a node that is gone runs on any node of the chip instead.
         """
         pending = list(jobs)
-        inflight: dict = {}
+        inflight: dict = {}  # ref -> (row id, params, node, None)
         try:
             while pending or inflight:
                 alive = self.alive_nodes()
                 slots = max(len(alive), 1) - len(inflight)
-                while pending and slots > 0:
-                    params, node = pending.pop(0)
-                    with self.db.session() as s:
-                        row_id = repo.start_trial(
-                            s, study_id=self.study_id, optuna_number=None, phase=phase,
-                            params=params.to_dict(), simulated=self.target.simulated,
-                        )
+                batch, pending = pending[:max(slots, 0)], pending[max(slots, 0):]
+                row_ids = self._commit([], [repo.NewTrial(phase, p.to_dict()) for p, _ in batch])
+                for (params, node), row_id in zip(batch, row_ids, strict=True):
                     spec = self._spec(params, f"{phase}-{row_id}")
                     ref = self.dispatcher.submit(spec, self.target.key, node if node in alive else None)
-                    inflight[ref] = (row_id, params, node)
-                    slots -= 1
+                    inflight[ref] = (row_id, params, node, None)
                 self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs), inflight)
+                results = []
                 for ref in self._wait_for_any(inflight):
-                    row_id, params, node = inflight.pop(ref)
-                    result = self.dispatcher.result(ref, f"{phase}-{row_id}")
-                    self._store(row_id, result)
+                    row_id, params, _, _ = inflight.pop(ref)
+                    results.append((row_id, params, self.dispatcher.result(ref, f"{phase}-{row_id}")))
+                self._commit([self._finished(row_id, result)[0] for row_id, _, result in results], [])
+                for _, params, result in results:
                     if not result.ok and result.error == "node lost":
                         pending.append((params, None))  # measure it again on another node
                     self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs),
                                inflight, last=result)
         except BaseException:
-            self._abandon(inflight, lambda item: (item[0], None))
+            self._abandon(inflight, [])
             raise
 
     def _search(self) -> None:
+        """Ask the sampler for as many trials as the chip has idle nodes, a round at a time.
+
+        Each round costs the head one transaction (its results and the next trials' rows) however
+        many trials it holds, so a large fleet of short trials makes larger rounds, not more work
+        per trial. A round collects at most ``ROUND_RESULTS`` results: when many nodes finish at
+        once, the first of them are busy again before the last are collected.
+        """
         study = self.optuna_study
-        inflight: dict = {}
+        inflight: dict = {}  # ref -> (row id, params, node, Optuna trial)
+        ready: list = []  # refs known to have finished, not yet collected
+        proposals: list = []  # (Optuna trial, params) asked ahead, for the next nodes to finish
+        results: list[repo.FinishedTrial] = []  # collected, written with the next round's starts
         # counted once here, then kept up to date locally: re-reading the study every round costs
         # the head a database read per trial, which a large fleet of short trials notices
         trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
         complete = sum(t.state == TrialState.COMPLETE for t in trials)
         failed = len(trials) - complete
+
+        def room() -> int:
+            return self.budget - complete - len(inflight) - len(proposals)
+
+        def propose() -> tuple:
+            trial = study.ask()
+            return trial, self.space.suggest(trial)
+
         try:
             while True:
                 if failed >= max(5, self.budget):
                     raise StudyPaused(f"{failed} trials failed; see `fleettune results --study "
                                       f"'{self.name}' --state failed`")
                 slots = max(len(self.alive_nodes()), 1) - len(inflight)
-                while slots > 0 and complete + len(inflight) < self.budget:
-                    trial = study.ask()
-                    params = self.space.suggest(trial)
-                    with self.db.session() as s:
-                        row_id = repo.start_trial(
-                            s, study_id=self.study_id, optuna_number=trial.number, phase="search",
-                            params=params.to_dict(), simulated=self.target.simulated,
-                        )
+                asked, proposals = proposals[:max(slots, 0)], proposals[max(slots, 0):]
+                while len(asked) < slots and room() > len(asked):
+                    asked.append(propose())
+                row_ids = self._commit(results, [repo.NewTrial("search", params.to_dict(), trial.number)
+                                                 for trial, params in asked])
+                results = []
+                for (trial, params), row_id in zip(asked, row_ids, strict=True):
                     ref = self.dispatcher.submit(self._spec(params, f"search-{row_id}"), self.target.key)
-                    inflight[ref] = (row_id, trial, params)
-                    slots -= 1
+                    inflight[ref] = (row_id, params, None, trial)
                 if not inflight:
                     return
                 self._emit("search", complete, self.budget, inflight, failed)
-                for ref in self._wait_for_any(inflight):
-                    row_id, trial, params = inflight.pop(ref)
+                # while no result is in, propose ahead for the next nodes to finish, so they need
+                # not wait for the sampler; only in a large fleet, where one result more or less
+                # changes little of what the sampler knows (small fleets always get fresh proposals)
+                ahead = min(AHEAD_MAX, len(inflight) // AHEAD_EVERY) if len(inflight) >= AHEAD_MIN_RUNNING else 0
+                while not ready and len(proposals) < ahead and room() > 0:
+                    ready = self.dispatcher.wait(list(inflight), 0)
+                    if not ready:
+                        proposals.append(propose())
+                if not ready:
+                    ready = self._wait_for_any(inflight)
+                # a few results at a time, so their nodes get new trials while the rest wait
+                chunk, ready = ready[:ROUND_RESULTS], ready[ROUND_RESULTS:]
+                round_results = []
+                for ref in chunk:
+                    row_id, params, _, trial = inflight.pop(ref)
                     result = self.dispatcher.result(ref, f"search-{row_id}")
-                    value = self._store(row_id, result)
+                    finished, value = self._finished(row_id, result)
                     if value is None:
                         study.tell(trial, state=TrialState.FAIL)
                         failed += 1
-                        if result.error == "node lost":
-                            study.enqueue_trial(self.space.optuna_params(params))
                     else:
                         study.tell(trial, value)
                         complete += 1
-                    self._emit("search", complete, self.budget, inflight, failed, last=result)
+                    round_results.append((finished, params))
+                results = [f for f, _ in round_results]
+                for finished, params in round_results:
+                    if finished.result.error == "node lost":
+                        study.enqueue_trial(self.space.optuna_params(params))  # asked again elsewhere
+                    self._emit("search", complete, self.budget, inflight, failed, last=finished.result)
         except BaseException:
-            self._abandon(inflight, lambda item: (item[0], item[1]))
+            for trial, _ in proposals:
+                study.tell(trial, state=TrialState.FAIL)  # asked ahead, never dispatched
+            self._abandon(inflight, results)
             raise
 
-    def _abandon(self, inflight: dict, unpack) -> None:
-        """Cancel running trials and mark them failed (interrupted), in the DB and in Optuna."""
-        for ref, item in inflight.items():
-            row_id, trial = unpack(item)
+    def _abandon(self, inflight: dict, collected: list[repo.FinishedTrial]) -> None:
+        """Cancel running trials and mark them failed (interrupted), in the DB and in Optuna;
+        results already collected are stored as they are."""
+        finished = list(collected)
+        for ref, (row_id, _, _, trial) in inflight.items():
             self.dispatcher.cancel(ref)
-            with self.db.session() as s:
-                repo.finish_trial(
-                    s, row_id, TrialResult.failure("", "interrupted"),
-                    objective_value=None, e2e_s=None, node_id=None,
-                )
+            finished.append(repo.FinishedTrial(row_id, TrialResult.failure("", "interrupted"), None, None, None))
             if trial is not None:
                 self.optuna_study.tell(trial, state=TrialState.FAIL)
+        self._commit(finished, [])
 
     def _records(self) -> tuple[list[learn.TrialRecord], dict[int, float]]:
         from orchestrator.schedules import trial_records
@@ -508,11 +554,17 @@ class StudyRunner:
     def _emit(self, phase, done, total, inflight, failed=0, last=None) -> None:
         best_value = best_params = None
         if phase == "search":
+            best_value, best_params = self._best(done)
+        running = [params for _, params, _, _ in inflight.values()]
+        self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
+
+    def _best(self, n_complete: int) -> tuple[float | None, BenchParams | None]:
+        """The best search trial so far, looked up again only when a trial completed."""
+        if self._best_at != n_complete:
             try:
                 best = self.optuna_study.best_trial
-                best_value = best.value
-                best_params = self.space.suggest(optuna.trial.FixedTrial(best.params))
+                self._best_cached = best.value, self.space.suggest(optuna.trial.FixedTrial(best.params))
             except ValueError:
-                pass
-        running = [next(x for x in v if isinstance(x, BenchParams)) for v in inflight.values()]
-        self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
+                self._best_cached = None, None
+            self._best_at = n_complete
+        return self._best_cached

@@ -77,7 +77,7 @@ def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False) -> St
         dispatch.Dispatcher(),
         cfg,
         target,
-        alive_nodes=lambda: [n.ray_node_id for n in dispatch.bench_nodes(key)],
+        alive_nodes=dispatch.ChipNodes(key),
         on_progress=on_progress,
     )
 

@@ -67,12 +67,14 @@ def test_running_trials_orphaned_by_a_killed_driver_are_failed_on_resume(
     db_url, model_info, local_fingerprint, ray_cluster
 ):
     runner = make_runner(db_url, model_info, local_fingerprint, name="orphans", n_trials=1)
-    # what a driver killed mid-trial leaves behind: an asked Optuna trial and a running row
+    # what a driver killed mid-trial leaves behind: an asked Optuna trial and a running row,
+    # written in one transaction as the study loop writes them
     trial = runner.optuna_study.ask()
     params = runner.space.suggest(trial)
     with runner.db.session() as s:
         repo.start_trial(s, study_id=runner.study_id, optuna_number=trial.number, phase="search",
                          params=params.to_dict(), simulated=False)
+        runner.storage.flush(s)
     resumed = make_runner(db_url, model_info, local_fingerprint, name="orphans", n_trials=1, resume=True)
     outcome = resumed.run()
     rows = search_rows(resumed)

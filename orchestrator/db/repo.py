@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.orm import Session, joinedload
 
 from orchestrator.db.models import (
@@ -170,61 +170,80 @@ def set_study_state(session: Session, study_id: int, state: str, message: str | 
     study.updated_at = utcnow()
 
 
-def start_trial(
-    session: Session,
-    *,
-    study_id: int,
-    optuna_number: int | None,
-    phase: str,
-    params: dict,
-    simulated: bool,
-) -> int:
-    trial = Trial(
-        study_id=study_id,
-        optuna_number=optuna_number,
-        phase=phase,
-        params=params,
-        state="running",
-        simulated=simulated,
-        started_at=utcnow(),
-    )
-    session.add(trial)
-    session.flush()
-    return trial.id
+@dataclass(frozen=True)
+class NewTrial:
+    """A trial row about to be dispatched."""
+
+    phase: str
+    params: dict
+    optuna_number: int | None = None
 
 
-def finish_trial(
-    session: Session,
-    trial_id: int,
-    result: TrialResult,
-    *,
-    objective_value: float | None,
-    e2e_s: float | None,
-    node_id: int | None,
-) -> None:
+@dataclass(frozen=True)
+class FinishedTrial:
+    """A trial's result with what the study derived from it, ready to store."""
+
+    trial_id: int
+    result: TrialResult
+    objective_value: float | None
+    e2e_s: float | None
+    node_id: int | None
+
+
+def start_trials(session: Session, study_id: int, trials: list[NewTrial], *, simulated: bool) -> list[int]:
+    """Insert running rows for a round of trials in one statement; returns their ids in order."""
+    if not trials:
+        return []
+    now = utcnow()
+    rows = [{"study_id": study_id, "optuna_number": t.optuna_number, "phase": t.phase, "params": t.params,
+             "state": "running", "simulated": simulated, "started_at": now} for t in trials]
+    return list(session.scalars(insert(Trial).returning(Trial.id, sort_by_parameter_order=True), rows))
+
+
+def start_trial(session: Session, *, study_id: int, optuna_number: int | None, phase: str, params: dict,
+                simulated: bool) -> int:
+    return start_trials(session, study_id, [NewTrial(phase, params, optuna_number)], simulated=simulated)[0]
+
+
+def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
+    """Store a round of results and all their samples (bulk statements, the caller's transaction)."""
+    if not finished:
+        return
+    now = utcnow()
+    rows, samples = [], []
+    for f in finished:
+        r = f.result
+        row = {"id": f.trial_id, "state": "complete" if r.ok else "failed", "error": r.error,
+               "node_id": f.node_id, "objective_value": f.objective_value, "e2e_s": f.e2e_s,
+               "load_s": r.load_s, "measure_s": r.measure_s, "peak_rss_bytes": r.peak_rss_bytes,
+               "thermal_before": r.thermal_before, "thermal_after": r.thermal_after,
+               "finished_at": _ts(r.finished_at) or now}
+        if r.simulated:
+            row["simulated"] = True
+        if r.started_at is not None:
+            row["started_at"] = _ts(r.started_at)
+        for kind in ("pp", "tg"):
+            stats = r.stats(kind)
+            row |= {f"{kind}_tps_median": stats.median if stats else None,
+                    f"{kind}_tps_mean": stats.mean if stats else None,
+                    f"{kind}_tps_stddev": stats.stddev if stats else None,
+                    f"{kind}_cv": stats.cv if stats else None}
+        rows.append(row)
+        samples += [{"trial_id": f.trial_id, "kind": s.kind, "rep": s.rep, "n_tokens": s.n_tokens,
+                     "seconds": s.seconds} for s in r.samples]
+    by_shape: dict[tuple, list[dict]] = {}  # one executemany per set of columns
+    for row in rows:
+        by_shape.setdefault(tuple(sorted(row)), []).append(row)
+    for group in by_shape.values():
+        session.execute(update(Trial), group)
+    if samples:
+        session.execute(insert(SampleRow), samples)
+
+
+def finish_trial(session: Session, trial_id: int, result: TrialResult, *, objective_value: float | None,
+                 e2e_s: float | None, node_id: int | None) -> None:
     """Store a result and all its samples in one transaction (the caller's)."""
-    trial = session.get(Trial, trial_id)
-    trial.state = "complete" if result.ok else "failed"
-    trial.error = result.error
-    trial.node_id = node_id
-    trial.objective_value = objective_value
-    for kind in ("pp", "tg"):
-        stats = result.stats(kind)
-        setattr(trial, f"{kind}_tps_median", stats.median if stats else None)
-        setattr(trial, f"{kind}_tps_mean", stats.mean if stats else None)
-        setattr(trial, f"{kind}_tps_stddev", stats.stddev if stats else None)
-        setattr(trial, f"{kind}_cv", stats.cv if stats else None)
-    trial.e2e_s = e2e_s
-    trial.load_s, trial.measure_s = result.load_s, result.measure_s
-    trial.peak_rss_bytes = result.peak_rss_bytes
-    trial.thermal_before, trial.thermal_after = result.thermal_before, result.thermal_after
-    trial.simulated = trial.simulated or result.simulated
-    trial.started_at = _ts(result.started_at) or trial.started_at
-    trial.finished_at = _ts(result.finished_at) or utcnow()
-    for sample in result.samples:
-        trial.samples.append(
-            SampleRow(kind=sample.kind, rep=sample.rep, n_tokens=sample.n_tokens, seconds=sample.seconds)
-        )
+    finish_trials(session, [FinishedTrial(trial_id, result, objective_value, e2e_s, node_id)])
 
 
 def set_trial_llama_bench_stats(session: Session, trial_id: int, stats: dict[str, tuple[float, float]]) -> None:

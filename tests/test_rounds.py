@@ -1,0 +1,181 @@
+"""A large fleet's study loop without Ray: rounds of results, proposals made ahead, one fit a round.
+
+The study loop is the one `tune` runs; the fleet is in-process (the calibrated simulator answers at
+once), so a 48-node study runs in a second and every path of a large fleet is exercised: results
+collected ROUND_RESULTS at a time, proposals made ahead while results are awaited, interrupts with
+proposals not yet dispatched.
+"""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from orchestrator import studies
+from orchestrator.db import open_database, repo
+from orchestrator.samplers import RoundTPESampler
+from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
+from workers import simulated
+from workers.hardware import Fingerprint
+from workers.trial import Workload
+
+CHIP = simulated.parse_chip("M2 Ultra/76")
+MODEL = "sim://llama2-7b/q4_0"
+
+
+class InstantFleet:
+    """A dispatcher over ``n`` in-process nodes. A trial finishes when the head blocks for results
+    (a wait with a timeout), a few at a time, so the loop meets both empty polls and backlogs."""
+
+    def __init__(self, n: int, per_wait: int = 7) -> None:
+        self.nodes = [f"node-{i:02d}" for i in range(n)]
+        self.node = simulated.SimulatedNode(CHIP, seed=3, time_scale=0.0)
+        self.per_wait = per_wait
+        self.running: dict[int, tuple] = {}
+        self.finished: list[int] = []
+        self.most_running = 0
+        self._next = 0
+
+    def submit(self, spec, chip_key, node_id=None):
+        assert len(self.running) < len(self.nodes), "more trials than nodes"
+        ref, self._next = self._next, self._next + 1
+        self.running[ref] = (spec, node_id or self.nodes[len(self.running)])
+        self.most_running = max(self.most_running, len(self.running))
+        return ref
+
+    def wait(self, refs, timeout_s):
+        if timeout_s > 0:
+            self.finished += [r for r in list(self.running)[: self.per_wait] if r not in self.finished]
+        return [r for r in refs if r in self.finished]
+
+    def result(self, ref, trial_key):
+        spec, node = self.running.pop(ref)
+        self.finished.remove(ref)
+        result = self.node.measure(spec)
+        result.node_id = node
+        return result
+
+    def cancel(self, ref) -> None:
+        self.running.pop(ref, None)
+
+    def alive(self) -> list[str]:
+        return self.nodes
+
+
+def runner(url: str, fleet: InstantFleet, on_progress=None, **cfg) -> StudyRunner:
+    target = ChipTarget(Fingerprint.from_dict(CHIP.fingerprint()), {}, simulated=True)
+    config = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
+                         **{"n_trials": 120, "sampler": "tpe", "seed": 5, "confirm_top": 1, **cfg})
+    return StudyRunner(open_database(url), fleet, config, target, alive_nodes=fleet.alive,
+                       on_progress=on_progress)
+
+
+def stored(run: StudyRunner):
+    with run.db.session() as s:
+        return repo.study_trials(s, run.study_id, "search")
+
+
+def test_a_large_fleet_study_ends_with_its_budget_every_trial_once(db_url, monkeypatch):
+    asked_ahead = []
+    real_wait = InstantFleet.wait
+
+    def counting_wait(self, refs, timeout_s):  # a poll (timeout 0) is the loop proposing ahead
+        if timeout_s == 0:
+            asked_ahead.append(len(refs))
+        return real_wait(self, refs, timeout_s)
+
+    monkeypatch.setattr(InstantFleet, "wait", counting_wait)
+    fleet = InstantFleet(48)
+    run = runner(db_url, fleet, name="large")
+    outcome = run.run()
+    rows = stored(run)
+    assert outcome.n_complete == 120 == sum(r.state == "complete" for r in rows)
+    assert fleet.most_running == 48  # every node busy at once
+    assert asked_ahead and all(n >= studies.AHEAD_MIN_RUNNING for n in asked_ahead)
+    optuna_trials = {t.number: t for t in optuna.load_study(study_name="large", storage=db_url).trials}
+    assert not [t for t in optuna_trials.values() if t.state == TrialState.RUNNING]
+    numbers = [r.optuna_number for r in rows]
+    assert len(numbers) == len(set(numbers))
+    for row in rows:  # what Optuna holds is what fleettune stored, trial by trial
+        trial = optuna_trials[row.optuna_number]
+        assert trial.state == (TrialState.COMPLETE if row.state == "complete" else TrialState.FAIL)
+        if row.state == "complete":
+            assert trial.value == pytest.approx(row.objective_value)
+            assert trial.params["ngl"] == row.params["n_gpu_layers"]
+
+
+def test_a_small_fleet_never_proposes_ahead(sqlite_url, monkeypatch):
+    polls = []
+    real_wait = InstantFleet.wait
+    monkeypatch.setattr(InstantFleet, "wait",
+                        lambda self, refs, t: polls.append(t) or real_wait(self, refs, t))
+    runner(sqlite_url, InstantFleet(studies.AHEAD_MIN_RUNNING - 1), n_trials=40).run()
+    assert 0 not in polls  # every proposal was made with every result in
+
+
+def test_an_interrupted_large_fleet_leaves_nothing_running(db_url):
+    seen = []
+
+    def stop_after_60(progress):
+        if progress.phase == "search" and progress.last is not None:
+            seen.append(progress.last)
+            if len(seen) == 60:
+                raise KeyboardInterrupt
+
+    run = runner(db_url, InstantFleet(48), on_progress=stop_after_60, name="stopped")
+    with pytest.raises(StudyPaused):
+        run.run()
+    rows = stored(run)
+    assert not [r for r in rows if r.state == "running"]
+    complete = sum(r.state == "complete" for r in rows)
+    assert complete >= 60  # the interrupted round's results, collected already, are kept
+    trials = optuna.load_study(study_name="stopped", storage=db_url).trials
+    assert not [t for t in trials if t.state == TrialState.RUNNING]  # proposals made ahead: failed
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == complete
+    resumed = runner(db_url, InstantFleet(48), name="stopped", resume=True)
+    assert resumed.run().n_complete == 120
+
+
+def sequential(sampler, n: int = 30) -> list[dict]:
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    for _ in range(n):
+        trial = study.ask()
+        x, y = trial.suggest_int("ngl", 0, 33), trial.suggest_categorical("batch", [128, 256, 512])
+        study.tell(trial, -((x - 20) ** 2) + y / 100)
+    return [t.params for t in study.trials]
+
+
+def test_round_tpe_one_trial_at_a_time_is_optunas_tpe():
+    kwargs = {"n_startup_trials": 5, "multivariate": True, "constant_liar": True, "seed": 11}
+    assert sequential(RoundTPESampler(**kwargs)) == sequential(optuna.samplers.TPESampler(**kwargs))
+
+
+def test_round_tpe_fits_once_a_round_and_draws_the_round_at_once():
+    fits = []
+
+    class Counting(RoundTPESampler):
+        def _build_parzen_estimator(self, *args, **kwargs):
+            fits.append(1)
+            return super()._build_parzen_estimator(*args, **kwargs)
+
+    sampler = Counting(n_startup_trials=3, multivariate=True, constant_liar=True, seed=2)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+
+    def round_of(k: int) -> list:
+        trials = [study.ask() for _ in range(k)]
+        return [(t, t.suggest_int("ngl", 0, 33), t.suggest_int("threads", 1, 24)) for t in trials]
+
+    for trial, ngl, threads in round_of(4):  # startup: random, no fit
+        study.tell(trial, ngl - abs(threads - 8))
+    assert fits == []
+    first = round_of(9)
+    assert len(fits) == 2  # one fit (below and above) for the nine proposals
+    for trial, ngl, threads in first:
+        study.tell(trial, ngl - abs(threads - 8))
+    assert sampler._batch == 8  # the next round draws what this one needed, in one go
+    second = round_of(9)
+    assert len(fits) == 4
+    proposals = {(ngl, threads) for _, ngl, threads in first + second}
+    assert len(proposals) > 9  # draws of one fit differ: each has its own candidates
+    assert all(0 <= ngl <= 33 and 1 <= threads <= 24 for ngl, threads in proposals)
