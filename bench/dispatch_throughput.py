@@ -14,9 +14,9 @@ With ``--chips K`` (virtual) the nodes are split over K chips and one study per 
 once, in threads of one process, as ``tune --all-chips`` runs them.
 
 Utilisation = the nodes' busy seconds / (nodes x seconds of a window), per study, node-weighted:
-``steady`` from the first search trial's start to the last one's start (while the study has
-trials to hand out: what is idle then waits for the head), ``search`` to the last one's end (the
-drain at the budget's end included), ``study`` the same for all phases (baseline, search,
+``steady`` from the moment every node first had a search trial to the last search trial's start
+(fill and drain left out: what is idle then waits for the head or Ray), ``search`` from the first
+search trial's start to the last one's end, ``study`` the same for all phases (baseline, search,
 confirmation). The head's time per trial = the process's CPU seconds / trials. Run:
 
     python bench/dispatch_throughput.py virtual --nodes 256 --trials 2048 --trial-s 1 --db sqlite
@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator import studies  # noqa: E402
 from orchestrator.db import open_database  # noqa: E402
 from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner  # noqa: E402
 from workers import simulated  # noqa: E402
@@ -52,11 +53,12 @@ WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=1)
 class VirtualFleet:
     """A Dispatcher over N in-process nodes of one chip: each trial holds its node ``trial_s`` s."""
 
-    def __init__(self, chip: simulated.ChipSpec, n_nodes: int, trial_s: float, prefix: str = "virtual") -> None:
+    def __init__(self, chip: simulated.ChipSpec, n_nodes: int, trial_s: float, prefix: str = "virtual",
+                 scenario: str = "calibrated", seed: int = 1) -> None:
         self.trial_s = trial_s
         self.nodes = [f"{prefix}-{i:03d}" for i in range(n_nodes)]
         self.free = list(self.nodes)
-        self.node = simulated.SimulatedNode(chip, seed=1, time_scale=0.0)
+        self.node = simulated.SimulatedNode(chip, seed=seed, time_scale=0.0, scenario=scenario)
         self.finish: list[tuple[float, int]] = []  # (finish time, ref)
         self.specs: dict[int, tuple[TrialSpec, str, float]] = {}
         self.spans: list[tuple[str, float, float]] = []  # (phase, started, ended) on its node
@@ -102,15 +104,20 @@ class VirtualFleet:
 
 def utilisation(spans: list[tuple[str, float, float]], n_nodes: int, phase: str | None = None,
                 steady: bool = False) -> float:
-    """Busy node-seconds over available node-seconds in a window from the first trial's start.
+    """Busy node-seconds over available node-seconds in a window of the study.
 
-    The window ends at the last trial's end, or with ``steady`` at the last trial's start: after
-    it the study has nothing left to hand out, so what is idle then is the budget's end (drain),
-    not the head.
+    The window runs from the first trial's start to the last one's end; ``steady`` leaves out the
+    fill and the drain: it starts when the fleet first had a trial on every node (the start of the
+    n-th trial; a cold Ray worker on each node makes the first wave slow) and ends at the last
+    trial's start (after it the study has nothing left to hand out, so what is idle then is the
+    budget's end, not the head).
     """
     spans = [sp for sp in spans if phase is None or sp[0] == phase]
-    first = min(start for _, start, _ in spans)
-    last = max(start for _, start, _ in spans) if steady else max(end for _, _, end in spans)
+    starts = sorted(start for _, start, _ in spans)
+    if steady:
+        first, last = starts[min(n_nodes, len(starts)) - 1], starts[-1]
+    else:
+        first, last = starts[0], max(end for _, _, end in spans)
     busy = sum(max(0.0, min(end, last) - max(start, first)) for _, start, end in spans)
     return busy / (n_nodes * (last - first))
 
@@ -149,17 +156,35 @@ def fleet_chips(n_chips: int) -> list[simulated.ChipSpec]:
     return [chips[int(i * step)] for i in range(n_chips)]
 
 
+def pick_quality(runner: StudyRunner, chip: simulated.ChipSpec, scenario: str) -> float:
+    """The true (noiseless) speed of the study's best observed configuration over the optimum's."""
+    from orchestrator.db import repo
+    from workers.trial import BenchParams
+
+    shape = simulated.parse_sim_model(MODEL)
+    w = WORKLOAD
+    _, _, best = simulated.optimum(chip, shape, "tg", w.n_prompt, w.n_gen, scenario)
+    with runner.db.session() as s:
+        rows = [t for t in repo.study_trials(s, runner.study_id, "search") if t.objective_value]
+    pick = max(rows, key=lambda t: t.objective_value)
+    params = BenchParams.from_dict(pick.params)
+    return simulated.predict(chip, shape, params, w.n_prompt, w.n_gen, scenario).tg_tps / best
+
+
 def run_virtual(args) -> dict:
     """One study per chip, all at once (as `tune --all-chips` runs them), nodes split evenly."""
+    if args.no_ahead:
+        studies.AHEAD_MIN_RUNNING = sys.maxsize
     tmp = tempfile.mkdtemp()
     db = open_database(db_url(args.db, tmp))
     chips = fleet_chips(args.chips)
     runners = []
     for i, chip in enumerate(chips):
-        fleet = VirtualFleet(chip, args.nodes // len(chips), args.trial_s, prefix=f"chip{i}")
+        fleet = VirtualFleet(chip, args.nodes // len(chips), args.trial_s, prefix=f"chip{i}",
+                             scenario=args.scenario, seed=args.seed)
         target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
         cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
-                          sampler=args.sampler, seed=1, confirm_top=1)
+                          sampler=args.sampler, seed=args.seed, confirm_top=1)
         runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive)
         runner.prepare()
         runners.append((runner, fleet))
@@ -172,7 +197,8 @@ def run_virtual(args) -> dict:
     return {"mode": "virtual", "nodes": sum(n for _, n in fleets), "chips": len(chips), "trials": n_trials,
             "trial_s": args.trial_s, "db": args.db, "sampler": args.sampler, "wall_s": wall,
             **utilisations(fleets),
-            "head_ms_per_trial": 1000 * cpu / n_trials, "trials_per_s": n_trials / wall}
+            "head_ms_per_trial": 1000 * cpu / n_trials, "trials_per_s": n_trials / wall,
+            "worst_pick": min(pick_quality(r, c, args.scenario) for (r, _), c in zip(runners, chips, strict=True))}
 
 
 def run_ray(args) -> dict:
@@ -197,6 +223,7 @@ def run_ray(args) -> dict:
     target = ChipTarget(plan.fingerprint, {}, simulated=True)
     cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
                       sampler=args.sampler, seed=1, confirm_top=1)
+    dispatch.describe_nodes(dispatch.bench_nodes(key))  # as `tune` does first: every node's worker started
     runner = StudyRunner(db, dispatch.Dispatcher(), cfg, target, alive_nodes=dispatch.ChipNodes(key))
     runner.prepare()
     cpu, start = time.process_time(), time.monotonic()
@@ -225,6 +252,10 @@ def main() -> None:
     parser.add_argument("--trial-s", type=float, default=1.0)
     parser.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--sampler", default="tpe")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--scenario", default="calibrated", choices=sorted(simulated.SCENARIOS),
+                        help="virtual: the simulator's scenario (worst_pick: true speed of each study's pick / optimum)")
+    parser.add_argument("--no-ahead", action="store_true", help="virtual: never propose ahead of need")
     args = parser.parse_args()
     threading.current_thread().name = "bench"
     out = run_virtual(args) if args.mode == "virtual" else run_ray(args)

@@ -43,8 +43,8 @@ ROUND_RESULTS = 16  # results collected per round before idle nodes get new tria
 # proposals made ahead of need while results are awaited: one for every AHEAD_EVERY running
 # trials, at most AHEAD_MAX, and none below AHEAD_MIN_RUNNING (a small fleet's head has time to
 # make every proposal with every result in)
-AHEAD_EVERY = 4
-AHEAD_MAX = 64
+AHEAD_EVERY = 2
+AHEAD_MAX = 128
 AHEAD_MIN_RUNNING = 32
 NO_NODE_GRACE_S = 30.0
 ORPHANED = "orphaned: the driver stopped"
