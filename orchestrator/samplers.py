@@ -1,7 +1,8 @@
 """Samplers by name. Each is an Optuna sampler; a new one is one entry (or one class) here.
 
-- ``auto`` (default): ``gp`` where torch is installed, else ``tpe`` (both reach 98 % of the optimum
-  within 15 trials in the simulated fleet; gp in fewer, see docs/benchmarks.md).
+- ``auto`` (default): ``gp`` where torch is installed and the chip has at most ``GP_MAX_NODES``
+  nodes, else ``tpe`` (both reach 98 % of the optimum within 15 trials in the simulated fleet; gp in
+  fewer, but each of its proposals costs 0.1-0.3 s of the head's time, see docs/benchmarks.md).
 - ``tpe``: multivariate TPE with the constant liar, so trials running in parallel on several nodes
   of a chip are not proposed twice; its model is fitted once per scheduling round
   (``RoundTPESampler``), so a large fleet does not make the head refit it for every idle node.
@@ -24,13 +25,20 @@ from orchestrator.space import SearchSpace
 from workers.errors import BadInput
 
 SAMPLER_NAMES = ("auto", "tpe", "gp", "random", "grid", "seed-scan")
-DEFAULT_SAMPLER = "auto"  # gp where torch is installed (fewest trials in bench/search_efficiency.py), else tpe
+DEFAULT_SAMPLER = "auto"  # gp for small fleets where torch is installed (fewest trials), else tpe
 
 
-def resolve_sampler(name: str) -> str:
-    """The sampler "auto" stands for here: gp with torch installed, tpe without."""
+GP_MAX_NODES = 16  # auto: gp only for chips with at most this many nodes (bench/sampler_cost.py)
+
+
+def resolve_sampler(name: str, n_nodes: int = 1) -> str:
+    """The sampler "auto" stands for: gp with torch installed and a chip of at most GP_MAX_NODES
+    nodes (GP refits on every proposal, 0.1-0.3 s: fine beside 10-60 s trials on a few Macs, the
+    bottleneck of a large fleet), else tpe."""
     if name != "auto":
         return name
+    if n_nodes > GP_MAX_NODES:
+        return "tpe"
     try:
         import torch  # noqa: F401
     except ImportError:

@@ -158,6 +158,7 @@ class StudyRunner:
         self.name = ""
         self.space: SearchSpace | None = None
         self.budget = cfg.n_trials
+        self.sampler = cfg.sampler  # resolved ("auto" -> gp or tpe) by prepare
         self.no_node_grace_s = NO_NODE_GRACE_S
         self._best_at: int | None = None
         self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
@@ -187,6 +188,8 @@ class StudyRunner:
             if existing is not None:
                 self._check_same(existing, chip, model)
                 self.study_id, self.name = existing.id, existing.name
+                # as resolved when the study was created, unless another one is asked for now
+                self.sampler = existing.sampler if cfg.sampler == "auto" else cfg.sampler
                 self.space = SearchSpace.from_dict(existing.space)
                 self.budget = max(cfg.n_trials, 1)
                 existing.budget = self.budget
@@ -196,6 +199,7 @@ class StudyRunner:
                 self.name = cfg.name or repo.free_study_name(s, default_study_name(
                     self.target.key, cfg.model, cfg.objective, cfg.workload))
                 self.space = space
+                self.sampler = resolve_sampler(cfg.sampler, len(self.alive_nodes()))
                 if cfg.sampler == "grid":
                     self.budget = min(self.budget, grid_size(space))
                 study = repo.add_study(
@@ -207,14 +211,14 @@ class StudyRunner:
                     n_prompt=cfg.workload.n_prompt,
                     n_gen=cfg.workload.n_gen,
                     reps=cfg.workload.reps,
-                    sampler=resolve_sampler(cfg.sampler),
+                    sampler=self.sampler,
                     budget=self.budget,
                     space=space.to_dict(),
                     simulated=self.target.simulated,
                 )
                 self.study_id = study.id
         self.optuna_study = self._optuna_study()
-        if existing is None and resolve_sampler(self.cfg.sampler) != "grid":  # a grid covers it all
+        if existing is None and self.sampler != "grid":  # a grid covers it all
             self._enqueue_starts()
         self._reconcile_optuna()
         self.storage.flush()
@@ -247,7 +251,7 @@ class StudyRunner:
 
     def _optuna_study(self) -> optuna.Study:
         self.storage = HeadStorage(RDBStorage(self.db.url_string, engine_kwargs=engine_kwargs(self.db.url)))
-        sampler = make_sampler(self.cfg.sampler, self.space, self.budget, self.direction, self.cfg.seed)
+        sampler = make_sampler(self.sampler, self.space, self.budget, self.direction, self.cfg.seed)
         return optuna.create_study(
             study_name=self.name,
             storage=self.storage,

@@ -179,3 +179,26 @@ def test_round_tpe_fits_once_a_round_and_draws_the_round_at_once():
     proposals = {(ngl, threads) for _, ngl, threads in first + second}
     assert len(proposals) > 9  # draws of one fit differ: each has its own candidates
     assert all(0 <= ngl <= 33 and 1 <= threads <= 24 for ngl, threads in proposals)
+
+
+def test_auto_is_gp_for_a_few_nodes_with_torch_and_tpe_for_a_fleet(monkeypatch):
+    import sys
+    import types
+
+    from orchestrator.samplers import GP_MAX_NODES, resolve_sampler
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # as if installed
+    assert resolve_sampler("auto", GP_MAX_NODES) == "gp"
+    assert resolve_sampler("auto", GP_MAX_NODES + 1) == "tpe"  # GP's proposals would hold the fleet
+    assert resolve_sampler("random", 1) == "random"
+    monkeypatch.setitem(sys.modules, "torch", None)  # not installed: import fails
+    assert resolve_sampler("auto", 1) == "tpe"
+
+
+def test_a_resumed_study_keeps_the_sampler_it_was_created_with(sqlite_url):
+    first = runner(sqlite_url, InstantFleet(4), name="kept", sampler="random", n_trials=6)
+    first.run()
+    again = runner(sqlite_url, InstantFleet(40), name="kept", sampler="auto", resume=True, n_trials=8)
+    again.prepare()
+    assert again.sampler == "random"
+    assert again.run().n_complete == 8
