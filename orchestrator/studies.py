@@ -271,13 +271,12 @@ class StudyRunner:
             return
         with self.db.session() as s:
             stored = {r.optuna_number: r for r in repo.study_trials(s, self.study_id, "search")}
-        storage = self.storage
         for t in running:
             row = stored.get(t.number)
             if row is not None and row.state == "complete" and row.objective_value is not None:
-                storage.set_trial_state_values(t._trial_id, TrialState.COMPLETE, [row.objective_value])
+                self.storage.set_trial_state_values(t._trial_id, TrialState.COMPLETE, [row.objective_value])
             else:
-                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
 
     # ---------------------------------------------------------------- running
 
@@ -340,10 +339,9 @@ class StudyRunner:
             return None, None
         return value, learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
 
-    def _finished(self, row_id: int, result: TrialResult) -> tuple[repo.FinishedTrial, float | None]:
+    def _finished(self, row_id: int, result: TrialResult) -> repo.FinishedTrial:
         value, e2e = self._evaluate(result)
-        node = self.target.node_ids.get(result.node_id or "")
-        return repo.FinishedTrial(row_id, result, value, e2e, node), value
+        return repo.FinishedTrial(row_id, result, value, e2e, self.target.node_ids.get(result.node_id or ""))
 
     def _commit(self, finished: list[repo.FinishedTrial], new: list[repo.NewTrial]) -> list[int]:
         """One transaction: results in, rows for the trials about to be dispatched, and what Optuna
@@ -378,7 +376,7 @@ class StudyRunner:
         A job pinned to a node that is gone runs on any node of the chip instead.
         """
         pending = list(jobs)
-        inflight: dict = {}  # ref -> (row id, params, node, None)
+        inflight: dict = {}  # ref -> (row id, params, None: no Optuna trial)
         try:
             while pending or inflight:
                 alive = self.alive_nodes()
@@ -388,13 +386,13 @@ class StudyRunner:
                 for (params, node), row_id in zip(batch, row_ids, strict=True):
                     spec = self._spec(params, f"{phase}-{row_id}")
                     ref = self.dispatcher.submit(spec, self.target.key, node if node in alive else None)
-                    inflight[ref] = (row_id, params, node, None)
+                    inflight[ref] = (row_id, params, None)
                 self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs), inflight)
                 results = []
                 for ref in self._wait_for_any(inflight):
-                    row_id, params, _, _ = inflight.pop(ref)
+                    row_id, params, _ = inflight.pop(ref)
                     results.append((row_id, params, self.dispatcher.result(ref, f"{phase}-{row_id}")))
-                self._commit([self._finished(row_id, result)[0] for row_id, _, result in results], [])
+                self._commit([self._finished(row_id, result) for row_id, _, result in results], [])
                 for _, params, result in results:
                     if not result.ok and result.error == "node lost":
                         pending.append((params, None))  # measure it again on another node
@@ -413,7 +411,7 @@ class StudyRunner:
         once, the first of them are busy again before the last are collected.
         """
         study = self.optuna_study
-        inflight: dict = {}  # ref -> (row id, params, node, Optuna trial)
+        inflight: dict = {}  # ref -> (row id, params, Optuna trial)
         ready: list = []  # refs known to have finished, not yet collected
         proposals: list = []  # (Optuna trial, params) asked ahead, for the next nodes to finish
         results: list[repo.FinishedTrial] = []  # collected, written with the next round's starts
@@ -444,7 +442,7 @@ class StudyRunner:
                 results = []
                 for (trial, params), row_id in zip(asked, row_ids, strict=True):
                     ref = self.dispatcher.submit(self._spec(params, f"search-{row_id}"), self.target.key)
-                    inflight[ref] = (row_id, params, None, trial)
+                    inflight[ref] = (row_id, params, trial)
                 if not inflight:
                     return
                 self._emit("search", complete, self.budget, inflight, failed)
@@ -462,14 +460,13 @@ class StudyRunner:
                 chunk, ready = ready[:ROUND_RESULTS], ready[ROUND_RESULTS:]
                 round_results = []
                 for ref in chunk:
-                    row_id, params, _, trial = inflight.pop(ref)
-                    result = self.dispatcher.result(ref, f"search-{row_id}")
-                    finished, value = self._finished(row_id, result)
-                    if value is None:
+                    row_id, params, trial = inflight.pop(ref)
+                    finished = self._finished(row_id, self.dispatcher.result(ref, f"search-{row_id}"))
+                    if finished.objective_value is None:
                         study.tell(trial, state=TrialState.FAIL)
                         failed += 1
                     else:
-                        study.tell(trial, value)
+                        study.tell(trial, finished.objective_value)
                         complete += 1
                     round_results.append((finished, params))
                 results = [f for f, _ in round_results]
@@ -487,7 +484,7 @@ class StudyRunner:
         """Cancel running trials and mark them failed (interrupted), in the DB and in Optuna;
         results already collected are stored as they are."""
         finished = list(collected)
-        for ref, (row_id, _, _, trial) in inflight.items():
+        for ref, (row_id, _, trial) in inflight.items():
             self.dispatcher.cancel(ref)
             finished.append(repo.FinishedTrial(row_id, TrialResult.failure("", "interrupted"), None, None, None))
             if trial is not None:
@@ -559,7 +556,7 @@ class StudyRunner:
         best_value = best_params = None
         if phase == "search":
             best_value, best_params = self._best(done)
-        running = [params for _, params, _, _ in inflight.values()]
+        running = [params for _, params, _ in inflight.values()]
         self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
 
     def _best(self, n_complete: int) -> tuple[float | None, BenchParams | None]:

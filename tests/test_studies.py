@@ -21,7 +21,7 @@ def make_runner(url, model_info, fingerprint, on_progress=None, **cfg) -> StudyR
     config = StudyConfig(model=model_info, workload=WORKLOAD, **{"n_trials": 3, "seed": 7, **cfg})
     target = ChipTarget(fingerprint, {})
     runner = StudyRunner(db, dispatch.Dispatcher(), config, target,
-                         alive_nodes=lambda: [n.ray_node_id for n in dispatch.bench_nodes(fingerprint.chip_key)],
+                         alive_nodes=dispatch.ChipNodes(fingerprint.chip_key, ttl_s=0),
                          on_progress=on_progress)
     runner.prepare()
     target.node_ids.update(record_nodes(db, infos))
