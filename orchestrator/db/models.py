@@ -114,6 +114,11 @@ class Study(Base):
     message: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the driver that holds the study (one at a time) and when it last said it is alive
+    lease_owner: Mapped[str | None] = mapped_column(String(64))
+    lease_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # an imported study: the sha256 of the file it came from (an import recognises a file it has)
+    source_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     chip: Mapped[Chip] = relationship()
     model: Mapped[Model] = relationship()
 
