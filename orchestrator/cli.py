@@ -277,12 +277,14 @@ def _progress_printer(console):
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@click.option("--trials", default=30, show_default=True, help="Search trials (budget).")
-@click.option("--objective", default="tg", show_default=True,
+@click.option("--trials", type=int, default=None,
+              help="Search trials (budget; default 30, or what a resumed study was created with).")
+@click.option("--objective", default="tg", show_default=True, type=click.Choice(["tg", "pp", "e2e"]),
               help="tg: generation tok/s; pp: prompt tok/s; e2e: time for prompt + generation.")
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--gen-tokens", default=128, show_default=True)
-@click.option("-r", "--reps", default=3, show_default=True, help="Repetitions per trial.")
+@click.option("-r", "--reps", type=int, default=None,
+              help="Repetitions per trial (default 3, or what a resumed study was created with).")
 @click.option("--sampler", default="auto", show_default=True,
               help="auto (gp with torch installed, else tpe) | tpe | gp | random | grid | seed-scan.")
 @click.option("--study", "study_name", help="Study name (default: chip/model/workload).")
@@ -315,7 +317,7 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
     info = registry.resolve(db, model_ref)
     cfg = StudyConfig(
         model=info, objective=objective,
-        workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens, reps=reps),
+        workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens), reps=reps,
         n_trials=trials, sampler=sampler, name=study_name, resume=resume, seed=seed,
         timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top,
     )
@@ -356,7 +358,8 @@ ALL_CHIPS_COLUMNS = [
 
 def _outcome_record(outcome, cfg) -> dict:
     rec = outcome.recommendation
-    unit = "s" if cfg.objective == "e2e" else "tok/s"
+    obj = cfg.target_objective
+    unit = "tok/s (prompt+gen tokens / e2e seconds)" if obj.name == "e2e" else obj.unit
     record = {
         "study": outcome.name,
         "state": outcome.state,
@@ -375,7 +378,7 @@ def _outcome_record(outcome, cfg) -> dict:
             "baseline_flags": outcome.baseline_params.llama_cpp_flags(),
             f"baseline_{cfg.objective}_tps": round(rec.baseline_tps, 3) if rec.baseline_tps else None,
             "improvement": f"{rec.improvement:+.1%}" if rec.improvement is not None else None,
-            "unit": unit if cfg.objective != "e2e" else "tok/s (prompt+gen tokens / e2e seconds)",
+            "unit": unit,
         })
     return record
 

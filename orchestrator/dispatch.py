@@ -19,7 +19,7 @@ from workers import agent
 from workers.agent import NodeInfo
 from workers.errors import BadInput
 from workers.join import BENCH_RESOURCE, CHIP_LABEL
-from workers.trial import TrialResult, TrialSpec
+from workers.trial import FailureKind, TrialResult, TrialSpec
 
 __all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "connect"]
 CONNECT_TIMEOUT_S = 5.0
@@ -221,13 +221,11 @@ class Dispatcher:
         ray = self._ray
         try:
             return ray.get(ref)
-        except ray.exceptions.NodeDiedError:
-            return TrialResult.failure(trial_key, "node lost")
-        except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError,
-                ray.exceptions.OwnerDiedError):
-            return TrialResult.failure(trial_key, "node lost")
+        except (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+            return TrialResult.failure(trial_key, "node lost", FailureKind.NODE_LOST)
         except ray.exceptions.TaskCancelledError:
-            return TrialResult.failure(trial_key, "interrupted")
+            return TrialResult.failure(trial_key, "interrupted", FailureKind.INTERRUPTED)
         except ray.exceptions.RayTaskError as exc:
             return TrialResult.failure(trial_key, f"worker error: {exc.cause!r}")
         except ray.exceptions.RayError as exc:

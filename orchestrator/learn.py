@@ -11,10 +11,12 @@ import statistics
 from dataclasses import dataclass
 
 from workers.errors import FleettuneError
+from workers.objective import OBJECTIVE_NAMES, Objective, e2e_seconds, objective
+from workers.objective import OBJECTIVES as OBJECTIVE_TYPES
 from workers.trial import BenchParams, Sample
 
-OBJECTIVES = ("tg", "pp", "e2e")
-DIRECTIONS = {"tg": "maximize", "pp": "maximize", "e2e": "minimize"}
+OBJECTIVES = OBJECTIVE_NAMES  # the names, for option choices
+DIRECTIONS = {name: o.direction.value for name, o in OBJECTIVE_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -42,24 +44,10 @@ class RecommendationDraft:
     simulated: bool
 
 
-def e2e_seconds(pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
-    """Time to process an ``n_prompt`` prompt and generate ``n_gen`` tokens at the given rates."""
-    total = 0.0
-    for tokens, rate in ((n_prompt, pp_tps), (n_gen, tg_tps)):
-        if tokens:
-            if not rate:
-                return None
-            total += tokens / rate
-    return total
-
-
-def objective_value(objective: str, pp: float | None, tg: float | None, n_prompt: int, n_gen: int):
+def objective_value(objective_name: str | Objective, pp: float | None, tg: float | None,
+                    n_prompt: int, n_gen: int) -> float | None:
     """What Optuna optimises: tok/s for tg and pp (maximise), seconds for e2e (minimise)."""
-    if objective == "tg":
-        return tg
-    if objective == "pp":
-        return pp
-    return e2e_seconds(pp, tg, n_prompt, n_gen)
+    return objective(objective_name).value(pp, tg, n_prompt, n_gen)
 
 
 def _rates(samples, kind: str) -> list[float]:
@@ -72,7 +60,7 @@ def config_key(params: BenchParams) -> str:
 
 
 def recommend(
-    records: list[TrialRecord], objective: str, n_prompt: int, n_gen: int
+    records: list[TrialRecord], target: str | Objective, n_prompt: int, n_gen: int
 ) -> RecommendationDraft | None:
     """Pick the configuration with the best pooled median among those that were confirmed.
 
@@ -80,6 +68,7 @@ def recommend(
     configurations and the baseline in one round); each is judged on all its samples together. The
     interval is the range of its per-repetition rates in the objective's unit.
     """
+    target = objective(target)
     if len({r.simulated for r in records}) > 1:
         raise FleettuneError("refusing to learn from simulated and real measurements together")
     by_config: dict[str, list[TrialRecord]] = {}
@@ -93,9 +82,9 @@ def recommend(
         pp, tg = _rates(samples, "pp"), _rates(samples, "tg")
         pp_med = statistics.median(pp) if pp else None
         tg_med = statistics.median(tg) if tg else None
-        if objective == "tg":
+        if target.name == "tg":
             rates = tg
-        elif objective == "pp":
+        elif target.name == "pp":
             rates = pp
         else:  # e2e as effective tokens per second over the whole request
             seconds = e2e_seconds(pp_med, tg_med, n_prompt, n_gen)
@@ -144,15 +133,15 @@ def recommend(
     )
 
 
-def top_configs(records: list[TrialRecord], values: dict[int, float], objective: str, k: int) -> list[BenchParams]:
+def top_configs(records: list[TrialRecord], values: dict[int, float], target: str | Objective,
+                k: int) -> list[BenchParams]:
     """The ``k`` best distinct configurations of the search, by their objective value."""
     if k <= 0:
         return []
-    reverse = DIRECTIONS[objective] == "maximize"
+    target = objective(target)
     ranked = sorted(
         (r for r in records if r.phase == "search" and r.trial_id in values),
-        key=lambda r: values[r.trial_id],
-        reverse=reverse,
+        key=lambda r: target.best_first(values[r.trial_id]),
     )
     seen, out = set(), []
     for record in ranked:

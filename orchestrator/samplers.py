@@ -177,6 +177,18 @@ class RoundTPESampler(optuna.samplers.TPESampler):
         super().after_trial(study, trial, state, values)
 
 
+class BudgetedGridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid, without its ``study.stop()`` once the grid is covered.
+
+    ``GridSampler.after_trial`` stops the study when the last grid point is told, which in an
+    ask-and-tell loop raises RuntimeError inside ``tell`` and leaves that trial RUNNING. The study
+    loop stops by its own budget (at most the grid's size), so the stop is not needed.
+    """
+
+    def after_trial(self, study, trial, state, values) -> None:
+        return None
+
+
 def make_sampler(name: str, space: SearchSpace, budget: int, direction: str, seed: int | None) -> BaseSampler:
     """The sampler called ``name`` for a study over ``space`` with ``budget`` trials."""
     name = resolve_sampler(name)
@@ -196,7 +208,7 @@ def make_sampler(name: str, space: SearchSpace, budget: int, direction: str, see
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
-        return optuna.samplers.GridSampler(space.grid(), seed=seed)
+        return BudgetedGridSampler(space.grid(), seed=seed)
     if name == "seed-scan":
         return SeedScanSampler(space, direction)
     raise BadInput(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLER_NAMES)}")

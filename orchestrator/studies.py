@@ -1,9 +1,19 @@
 """Studies: one Optuna study per (chip, model, workload, objective), run over Ray, stored in the DB.
 
-A study runs in three phases: ``baseline`` (llama-cpp-python's defaults, measured so the gain is
-known), ``search`` (the sampler's trials, as many in parallel as the chip has idle nodes) and
-``confirm`` (the top configurations and the baseline measured again in one round). The confirmed
-evidence becomes a recommendation row.
+A study is one round loop (``StudyRunner._drive``) run over three sources of jobs in turn: the
+baseline (llama-cpp-python's defaults, so the gain is known), the search (full offload and the
+warm-start configurations first, then the sampler's proposals) and the confirmation (the top
+configurations and the baseline measured again). Every round of the loop is the same four steps,
+in one place:
+
+    propose   (the source gives as many jobs as the chip has idle nodes)
+    store     (one transaction: the last round's results, Optuna's state, the new trials' rows)
+    dispatch  (each job to a node of the chip, one benchmark per node)
+    collect   (a few finished results at a time; each settled with its source)
+
+as Optuna's own ``study/_optimize.py`` runs its loop over the study's public ``ask``/``tell``.
+A round's results and what Optuna was told about them are written in the same transaction, so a
+driver killed at any instant leaves both tables agreeing; ``--resume`` finishes what it left.
 
 The head owns the database; workers get a ``TrialSpec`` and return a ``TrialResult``.
 """
@@ -14,29 +24,27 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
-from orchestrator import learn
+from orchestrator import learn, lease
 from orchestrator.db import Database, repo
-from orchestrator.db.session import engine_kwargs
+from orchestrator.db.session import DatabaseUnavailable, engine_kwargs, retrying
 from orchestrator.dispatch import Dispatcher
-from orchestrator.samplers import (
-    SAMPLER_NAMES,
-    grid_size,
-    make_sampler,
-    resolve_sampler,
-)
+from orchestrator.samplers import SAMPLER_NAMES, grid_size, make_sampler, resolve_sampler
 from orchestrator.space import SearchSpace, full_offload, llama_cpp_python_defaults
+from orchestrator.stopping import StopRequest
 from orchestrator.storage import HeadStorage
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
-from workers.trial import BenchParams, TrialResult, TrialSpec, Workload
+from workers.objective import Objective, objective
+from workers.trial import BenchParams, FailureKind, TrialResult, TrialSpec, Workload
 
 POLL_S = 0.5
 ROUND_RESULTS = 16  # results collected per round before idle nodes get new trials
@@ -47,6 +55,8 @@ AHEAD_EVERY = 2
 AHEAD_MAX = 128
 AHEAD_MIN_RUNNING = 32
 NO_NODE_GRACE_S = 30.0
+MAX_NODE_LOSSES = 3  # a configuration lost with this many nodes is failed, not measured again
+DEFAULT_TRIALS = 30
 ORPHANED = "orphaned: the driver stopped"
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -54,17 +64,27 @@ log = logging.getLogger(__name__)
 
 
 class StudyPaused(FleettuneError):
-    """The study stopped before its budget (Ctrl-C, no node of the chip left); --resume continues."""
+    """The study stopped before its budget (a signal, no node of the chip left, the database
+    away); ``--resume`` continues it."""
+
+
+def _finite_positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    import math
+
+    if not isinstance(value, int | float) or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise BadInput(f"{name} {value!r}: must be a finite number {bound}")
 
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """What the user asked for."""
+    """What the user asked for. ``None`` means "not given": a new study takes the default, a
+    resumed one keeps what it was created with."""
 
     model: ModelInfo
-    objective: str = "tg"
+    objective: Objective | str = "tg"
     workload: Workload = field(default_factory=Workload)
-    n_trials: int = 30
+    n_trials: int | None = None
     sampler: str = "auto"
     name: str | None = None
     resume: bool = False
@@ -73,18 +93,32 @@ class StudyConfig:
     cooldown_s: float = 0.0
     confirm_top: int = 3
     warm_start: tuple[BenchParams, ...] = ()  # measured first, before the sampler proposes
+    reps: int | None = None  # overrides workload.reps when given
+
+    def __post_init__(self) -> None:
+        if isinstance(self.objective, str) and self.objective in ("tg", "pp", "e2e"):
+            object.__setattr__(self, "objective", objective(self.objective))
+        if self.reps is not None:
+            object.__setattr__(self, "workload", replace(self.workload, reps=self.reps))
+
+    @property
+    def target_objective(self) -> Objective:
+        return objective(self.objective)
 
     def validate(self) -> None:
-        if self.objective not in learn.OBJECTIVES:
-            raise BadInput(f"unknown objective {self.objective!r}; choose one of tg, pp, e2e")
+        """Every value checked before anything is written."""
+        obj = objective(self.objective)
         if self.sampler not in SAMPLER_NAMES:
             raise BadInput(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SAMPLER_NAMES)}")
-        if self.n_trials < 1:
+        if self.n_trials is not None and (not isinstance(self.n_trials, int) or self.n_trials < 1):
             raise BadInput(f"trials {self.n_trials}: must be >= 1")
-        if self.objective == "tg" and self.workload.n_gen < 1:
-            raise BadInput("objective tg needs --gen-tokens >= 1")
-        if self.objective == "pp" and self.workload.n_prompt < 1:
-            raise BadInput("objective pp needs --prompt-tokens >= 1")
+        _finite_positive("--timeout", self.timeout_s)
+        _finite_positive("--cooldown", self.cooldown_s, zero_ok=True)
+        if self.confirm_top < 0:
+            raise BadInput(f"--confirm-top {self.confirm_top}: must be >= 0")
+        if self.workload.reps < 1:
+            raise BadInput(f"--reps {self.workload.reps}: must be >= 1")
+        obj.check_workload(self.workload.n_prompt, self.workload.n_gen)
         validate_workload(self.workload, self.model)
 
 
@@ -133,12 +167,183 @@ def _mtime(path: str) -> float | None:
         return None
 
 
-def default_study_name(chip_key: str, model: ModelInfo, objective: str, workload: Workload) -> str:
+def default_study_name(chip_key: str, model: ModelInfo, objective: Objective | str, workload: Workload) -> str:
     return f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}"
 
 
+# ---------------------------------------------------------------- jobs and their sources
+
+
+@dataclass
+class Job:
+    """One measurement the loop runs: a configuration, maybe pinned to a node, maybe an Optuna
+    trial; ``losses`` counts the nodes lost under it so far."""
+
+    phase: str
+    params: BenchParams
+    node: str | None = None
+    trial: optuna.trial.Trial | None = None
+    losses: int = 0
+    row_id: int | None = None
+    settled: bool = False
+
+
+class JobSource(Protocol):
+    """Where a phase's jobs come from, and what a result means to it."""
+
+    phase: str
+    total: int
+
+    def take(self, n: int) -> list[Job]:
+        """Up to ``n`` jobs to start now (fewer, or none, when the phase has no more)."""
+
+    def ahead(self, running: int) -> bool:
+        """Prepare one job ahead of need while results are awaited; False when there is none."""
+
+    def settle(self, job: Job, finished: repo.FinishedTrial) -> None:
+        """Account for a job's result (tell Optuna, measure a lost job again...)."""
+
+    def abandon(self, job: Job) -> None:
+        """A job that will not finish (the study is pausing): fail it where it is tracked."""
+
+    def release(self) -> list[Job]:
+        """Jobs prepared but never dispatched, to be abandoned when the loop stops."""
+
+    def done_count(self) -> int: ...
+
+    def failed_count(self) -> int: ...
+
+
+class FixedJobs:
+    """A fixed list of configurations (the baseline, the confirmation). A job lost with its node
+    runs again on any node of the chip, at most ``MAX_NODE_LOSSES`` times."""
+
+    def __init__(self, phase: str, jobs: list[tuple[BenchParams, str | None]], alive: Callable[[], list[str]]):
+        self.phase = phase
+        self.pending = [Job(phase, params, node) for params, node in jobs]
+        self.total = len(self.pending)
+        self.alive = alive
+        self._done = self._failed = 0
+
+    def take(self, n: int) -> list[Job]:
+        batch, self.pending = self.pending[:n], self.pending[n:]
+        if batch:
+            alive = set(self.alive())
+            for job in batch:  # a job pinned to a node that is gone runs on any node of the chip
+                if job.node not in alive:
+                    job.node = None
+        return batch
+
+    def ahead(self, running: int) -> bool:
+        return False
+
+    def settle(self, job: Job, finished: repo.FinishedTrial) -> None:
+        job.settled = True
+        if finished.result.kind is FailureKind.NODE_LOST and job.losses + 1 < MAX_NODE_LOSSES:
+            self.pending.append(Job(self.phase, job.params, None, losses=job.losses + 1))
+        elif finished.objective_value is None:
+            self._failed += 1
+        else:
+            self._done += 1
+
+    def abandon(self, job: Job) -> None:
+        job.settled = True
+
+    def release(self) -> list[Job]:
+        return []
+
+    def done_count(self) -> int:
+        return self._done
+
+    def failed_count(self) -> int:
+        return self._failed
+
+
+class SamplerJobs:
+    """The search: trials asked of the Optuna study (queued configurations first), until
+    ``budget`` of them complete. A trial lost with its node is failed in Optuna and its
+    configuration queued again, at most ``MAX_NODE_LOSSES`` times."""
+
+    phase = "search"
+
+    def __init__(self, study: optuna.Study, space: SearchSpace, budget: int) -> None:
+        self.study, self.space, self.total = study, space, budget
+        # counted once here, then kept up to date locally: re-reading the study every round costs
+        # the head a database read per trial, which a large fleet of short trials notices
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        self._done = sum(t.state == TrialState.COMPLETE for t in trials)
+        self._failed = 0  # failures of configurations (not lost nodes, not pauses) in this run
+        self.running = 0
+        self.proposals: list[Job] = []  # asked ahead, for the next nodes to finish
+        self.losses: dict[str, int] = {}  # configuration -> nodes lost under it
+
+    def room(self) -> int:
+        return self.total - self._done - self.running - len(self.proposals)
+
+    def _propose(self) -> Job:
+        trial = self.study.ask()
+        params = self.space.suggest(trial)
+        return Job("search", params, trial=trial, losses=self.losses.get(learn.config_key(params), 0))
+
+    def take(self, n: int) -> list[Job]:
+        if self._failed >= max(5, self.total):
+            raise StudyPaused(f"{self._failed} trials failed; see `fleettune results --state failed`")
+        batch, self.proposals = self.proposals[:n], self.proposals[n:]
+        self.running += len(batch)
+        while len(batch) < n and self.room() > 0:
+            batch.append(self._propose())
+            self.running += 1
+        return batch
+
+    def ahead(self, running: int) -> bool:
+        if running < AHEAD_MIN_RUNNING:
+            return False  # a small fleet always gets fresh proposals
+        if len(self.proposals) >= min(AHEAD_MAX, running // AHEAD_EVERY) or self.room() <= 0:
+            return False
+        self.proposals.append(self._propose())
+        return True
+
+    def settle(self, job: Job, finished: repo.FinishedTrial) -> None:
+        self.running -= 1
+        job.settled = True
+        if finished.objective_value is None:
+            self.study.tell(job.trial, state=TrialState.FAIL)
+            kind = finished.result.kind
+            if kind is FailureKind.NODE_LOST:
+                key = learn.config_key(job.params)
+                self.losses[key] = job.losses + 1
+                if job.losses + 1 < MAX_NODE_LOSSES:  # measured again, on another node
+                    self.study.enqueue_trial(self.space.optuna_params(job.params))
+                    return
+            if kind is not FailureKind.INTERRUPTED:
+                self._failed += 1
+        else:
+            self.study.tell(job.trial, finished.objective_value)
+            self._done += 1
+
+    def abandon(self, job: Job) -> None:
+        if job in self.proposals:
+            self.proposals.remove(job)
+        elif not job.settled:
+            self.running -= 1
+        job.settled = True
+        self.study.tell(job.trial, state=TrialState.FAIL)
+
+    def release(self) -> list[Job]:
+        return list(self.proposals)
+
+    def done_count(self) -> int:
+        return self._done
+
+    def failed_count(self) -> int:
+        return self._failed
+
+
+# ---------------------------------------------------------------- the runner
+
+
 class StudyRunner:
-    """Runs one study to its budget; safe to interrupt and resume."""
+    """Runs one study to its budget; safe to interrupt, kill and resume."""
 
     def __init__(
         self,
@@ -148,25 +353,33 @@ class StudyRunner:
         target: ChipTarget,
         alive_nodes: Callable[[], list[str]],
         on_progress: Callable[[Progress], None] | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.db, self.dispatcher, self.cfg, self.target = db, dispatcher, cfg, target
         self.alive_nodes = alive_nodes
         self.on_progress = on_progress or (lambda p: None)
-        self.direction = learn.DIRECTIONS[cfg.objective]
+        self.stop = stop or StopRequest()
+        self.objective = cfg.target_objective
+        self.direction = self.objective.direction.value
         self.baseline = llama_cpp_python_defaults(target.fingerprint)
         self.study_id: int | None = None
         self.name = ""
         self.space: SearchSpace | None = None
-        self.budget = cfg.n_trials
+        self.budget = cfg.n_trials or DEFAULT_TRIALS
+        self.workload = cfg.workload
         self.sampler = cfg.sampler  # resolved ("auto" -> gp or tpe) by prepare
         self.no_node_grace_s = NO_NODE_GRACE_S
+        self.owner = lease.new_owner()
+        self.finished_already = False  # a resumed study that had nothing left to do
+        self._beat_at = 0.0
         self._best_at: int | None = None
         self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
 
     # ---------------------------------------------------------------- setup
 
     def prepare(self) -> None:
-        """Create or resume the study rows; raises BadInput before writing anything on a clash."""
+        """Create or resume the study rows and take its lease; raises BadInput before writing
+        anything on a clash (a name taken, a study held by another driver, another workload)."""
         cfg, fp = self.cfg, self.target.fingerprint
         cfg.validate()
         validate_params(self.baseline, fp, cfg.model)
@@ -179,49 +392,72 @@ class StudyRunner:
                 existing = repo.get_study(s, cfg.name)
             elif cfg.resume:
                 existing = repo.latest_study(
-                    s, chip.id, model.id, cfg.objective, cfg.workload.n_prompt, cfg.workload.n_gen
+                    s, chip.id, model.id, str(self.objective), cfg.workload.n_prompt, cfg.workload.n_gen
                 )
             if existing is not None and not cfg.resume:
                 raise BadInput(f"study {cfg.name!r} already exists; pass --resume to continue it")
             if existing is None and cfg.resume:
                 raise BadInput("no study to resume for this chip, model and workload")
             if existing is not None:
-                self._check_same(existing, chip, model)
-                self.study_id, self.name = existing.id, existing.name
-                # as resolved when the study was created, unless another one is asked for now
-                self.sampler = existing.sampler if cfg.sampler == "auto" else cfg.sampler
-                self.space = SearchSpace.from_dict(existing.space)
-                self.budget = max(cfg.n_trials, 1)
-                existing.budget = self.budget
-                repo.fail_running_trials(s, existing.id, ORPHANED)
-                repo.set_study_state(s, existing.id, "running")
+                self._resume(s, existing, chip, model)
             else:
-                self.name = cfg.name or repo.free_study_name(s, default_study_name(
-                    self.target.key, cfg.model, cfg.objective, cfg.workload))
-                self.space = space
-                self.sampler = resolve_sampler(cfg.sampler, len(self.alive_nodes()))
-                if cfg.sampler == "grid":
-                    self.budget = min(self.budget, grid_size(space))
-                study = repo.add_study(
-                    s,
-                    name=self.name,
-                    chip_id=chip.id,
-                    model_id=model.id,
-                    objective=cfg.objective,
-                    n_prompt=cfg.workload.n_prompt,
-                    n_gen=cfg.workload.n_gen,
-                    reps=cfg.workload.reps,
-                    sampler=self.sampler,
-                    budget=self.budget,
-                    space=space.to_dict(),
-                    simulated=self.target.simulated,
-                )
-                self.study_id = study.id
+                self._create(s, space, chip, model)
         self.optuna_study = self._optuna_study()
         if existing is None and self.sampler != "grid":  # a grid covers it all
             self._enqueue_starts()
         self._reconcile_optuna()
         self.storage.flush()
+
+    def _resume(self, s, existing, chip, model) -> None:
+        cfg = self.cfg
+        self._check_same(existing, chip, model)
+        self.study_id, self.name = existing.id, existing.name
+        # what the study was created with, unless an option names another now
+        self.sampler = existing.sampler if cfg.sampler == "auto" else cfg.sampler
+        self.space = SearchSpace.from_dict(existing.space)
+        self.budget = cfg.n_trials or existing.budget
+        if self.sampler == "grid":
+            self.budget = min(self.budget, grid_size(self.space))
+        if cfg.reps is None:
+            self.workload = replace(cfg.workload, reps=existing.reps)
+        if existing.state == "complete" and self.budget <= existing.budget and self.sampler == existing.sampler:
+            self.finished_already = True  # resuming a finished study changes nothing
+            return
+        self._take_lease(s, existing.id)
+        existing.budget, existing.sampler, existing.reps = self.budget, self.sampler, self.workload.reps
+        repo.fail_running_trials(s, existing.id, ORPHANED)
+        repo.set_study_state(s, existing.id, "running")
+
+    def _create(self, s, space: SearchSpace, chip, model) -> None:
+        cfg = self.cfg
+        self.space = space
+        self.sampler = resolve_sampler(cfg.sampler, len(self.alive_nodes()))
+        if self.sampler == "grid":
+            self.budget = min(self.budget, grid_size(space))
+        fields = dict(
+            chip_id=chip.id, model_id=model.id, objective=str(self.objective),
+            n_prompt=cfg.workload.n_prompt, n_gen=cfg.workload.n_gen, reps=self.workload.reps,
+            sampler=self.sampler, budget=self.budget, space=space.to_dict(),
+            simulated=self.target.simulated, lease_owner=self.owner, lease_heartbeat=repo.utcnow(),
+        )
+        if cfg.name:
+            from sqlalchemy.exc import IntegrityError
+
+            try:
+                with s.begin_nested():
+                    study = repo.add_study(s, name=cfg.name, **fields)
+            except IntegrityError:  # created by another driver since we looked
+                raise BadInput(f"study {cfg.name!r} already exists; pass --resume to continue it") from None
+        else:
+            base = default_study_name(self.target.key, cfg.model, self.objective, cfg.workload)
+            study = repo.add_study_free_name(s, base, **fields)
+        self.study_id, self.name = study.id, study.name
+
+    def _take_lease(self, s, study_id: int) -> None:
+        holder = repo.acquire_lease(s, study_id, self.owner, lease.stale_before(), lease.holder_is_gone)
+        if holder is not None:
+            raise BadInput(f"study {self.name!r} is being run by another driver ({lease.describe(holder)}); "
+                           f"wait for it, or stop it first")
 
     def _enqueue_starts(self) -> None:
         """A new study first measures full offload (where the GPU can take layers), then the warm
@@ -240,7 +476,7 @@ class StudyRunner:
         same = (
             study.chip_id == chip.id
             and study.model_id == model.id
-            and study.objective == cfg.objective
+            and study.objective == str(self.objective)
             and (study.n_prompt, study.n_gen) == (cfg.workload.n_prompt, cfg.workload.n_gen)
         )
         if not same:
@@ -283,25 +519,67 @@ class StudyRunner:
     def run(self) -> StudyOutcome:
         if self.study_id is None:
             self.prepare()
+        if self.finished_already:
+            return self._outcome("complete", *self._latest_recommendation())
         try:
             if not self._phase_trials("baseline", complete_only=True):
-                self._run_fixed("baseline", [(self.baseline, None)])
-            self._search()
-            self._confirm()
+                self._drive(FixedJobs("baseline", [(self.baseline, None)], self.alive_nodes))
+            self._drive(SamplerJobs(self.optuna_study, self.space, self.budget))
+            confirm = self._confirm_jobs()
+            if confirm:
+                self._drive(FixedJobs("confirm", confirm, self.alive_nodes))
             draft, version = self._recommend()
         except KeyboardInterrupt:
-            self._set_state("paused", "interrupted; `fleettune tune --resume` continues")
+            self._pause("interrupted; `fleettune tune --resume` continues")
             raise StudyPaused(f"study {self.name} paused; run the same tune command with --resume") from None
+        except DatabaseUnavailable as exc:
+            self._pause(str(exc))
+            raise StudyPaused(f"study {self.name} paused: {exc}; `tune --resume` continues") from None
         except StudyPaused as exc:
-            self._set_state("paused", str(exc))
+            self._pause(str(exc))
             raise
-        counts = self._counts()
-        self._set_state("complete", None)
-        return StudyOutcome(self.name, "complete", counts[0], counts[1], draft, version, self.baseline)
+        self._finish()
+        return self._outcome("complete", draft, version)
 
-    def _set_state(self, state: str, message: str | None) -> None:
+    def _outcome(self, state, draft, version) -> StudyOutcome:
+        complete, failed = self._counts()
+        return StudyOutcome(self.name, state, complete, failed, draft, version, self.baseline)
+
+    def _transaction(self, work: Callable[[Any], Any]) -> Any:
+        """``work(session)`` in one transaction, retried while the database is away, that also
+        proves this driver still holds the study (the lease is the fence: a driver that lost it
+        writes nothing more)."""
+        def attempt():
+            with self.db.session() as s:
+                if not repo.renew_lease(s, self.study_id, self.owner):
+                    raise StudyPaused(f"study {self.name} was taken over by another driver")
+                out = work(s)
+            self._beat_at = time.monotonic()
+            return out
+
+        return retrying(attempt, should_stop=lambda: bool(self.stop))
+
+    def _pause(self, message: str) -> None:
+        """Record the pause and let go of the study; best effort when the database is away."""
+        def work(s):
+            repo.set_study_state(s, self.study_id, "paused", message)
+            repo.release_lease(s, self.study_id, self.owner)
+
+        try:
+            retrying(lambda: self._in_session(work), window_s=5.0)
+        except (DatabaseUnavailable, Exception) as exc:  # noqa: BLE001 - the pause must not fail
+            log.warning("could not record the pause of %s: %s", self.name, exc)
+
+    def _finish(self) -> None:
+        def work(s):
+            repo.set_study_state(s, self.study_id, "complete", None)
+            repo.release_lease(s, self.study_id, self.owner)
+
+        retrying(lambda: self._in_session(work))
+
+    def _in_session(self, work):
         with self.db.session() as s:
-            repo.set_study_state(s, self.study_id, state, message)
+            return work(s)
 
     def _phase_trials(self, phase: str, complete_only: bool = False):
         with self.db.session() as s:
@@ -315,181 +593,139 @@ class StudyRunner:
             sum(r.state == "failed" for r in rows),
         )
 
-    def _spec(self, params: BenchParams, key: str) -> TrialSpec:
+    def _spec(self, job: Job) -> TrialSpec:
         return TrialSpec(
             model_path=self.cfg.model.path,
             model_sha256=self.cfg.model.sha256,
-            params=params,
-            workload=self.cfg.workload,
+            params=job.params,
+            workload=self.workload,
             timeout_s=self.cfg.timeout_s,
             cooldown_s=self.cfg.cooldown_s,
-            trial_key=key,
+            trial_key=f"{job.phase}-{job.row_id}",
         )
 
-    def _evaluate(self, result: TrialResult) -> tuple[float | None, float | None]:
-        """A result's objective value (None for a failed trial) and end-to-end seconds."""
-        if not result.ok:
-            return None, None
-        w = self.cfg.workload
-        pp_m = result.pp.median if result.pp else None
-        tg_m = result.tg.median if result.tg else None
-        value = learn.objective_value(self.cfg.objective, pp_m, tg_m, w.n_prompt, w.n_gen)
-        if value is None:
-            result.ok, result.error = False, "no samples for the objective"
-            return None, None
-        return value, learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
+    def _finished(self, job: Job, result: TrialResult) -> repo.FinishedTrial:
+        """A result with its objective value (None for a failed trial) and end-to-end seconds."""
+        value = e2e = None
+        if result.ok:
+            w = self.workload
+            pp_m = result.pp.median if result.pp else None
+            tg_m = result.tg.median if result.tg else None
+            value = self.objective.value(pp_m, tg_m, w.n_prompt, w.n_gen)
+            if value is None:
+                result.ok, result.error = False, "no samples for the objective"
+                result.failure_kind = FailureKind.NO_SAMPLES.value
+            else:
+                e2e = learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
+        return repo.FinishedTrial(job.row_id, result, value, e2e, self.target.node_ids.get(result.node_id or ""))
 
-    def _finished(self, row_id: int, result: TrialResult) -> repo.FinishedTrial:
-        value, e2e = self._evaluate(result)
-        return repo.FinishedTrial(row_id, result, value, e2e, self.target.node_ids.get(result.node_id or ""))
+    def _store(self, finished: list[repo.FinishedTrial], jobs: list[Job]) -> None:
+        """One transaction: results in, rows for the jobs about to be dispatched, and what Optuna
+        was told and asked since the last one. Gives each job its row id."""
+        if not finished and not jobs and not self.storage.pending():
+            return
+        new = [repo.NewTrial(j.phase, j.params.to_dict(), j.trial.number if j.trial else None) for j in jobs]
 
-    def _commit(self, finished: list[repo.FinishedTrial], new: list[repo.NewTrial]) -> list[int]:
-        """One transaction: results in, rows for the trials about to be dispatched, and what Optuna
-        was told and asked since the last one. Returns the new rows' ids."""
-        if not finished and not new and not self.storage.pending():
-            return []
-        with self.db.session() as s:
+        def work(s):
             repo.finish_trials(s, finished)
             ids = repo.start_trials(s, self.study_id, new, simulated=self.target.simulated)
             self.storage.flush(s)
-        return ids
+            return ids
+
+        for job, row_id in zip(jobs, self._transaction(work), strict=True):
+            job.row_id = row_id
+
+    def _check_stop(self) -> None:
+        if self.stop:
+            raise StudyPaused(f"study {self.name} paused ({self.stop.reason}); run the same tune "
+                              f"command with --resume")
+
+    def _beat(self) -> None:
+        """Refresh the lease while a long round waits for its results."""
+        if time.monotonic() - self._beat_at >= lease.HEARTBEAT_S:
+            self._transaction(lambda s: None)
 
     def _wait_for_any(self, inflight: dict) -> list:
-        """Finished refs; pauses the study when the chip has had no node for a grace period."""
+        """Finished refs; pauses the study on a stop request, or when the chip has had no node
+        for a grace period."""
         no_node_since = None
         while True:
+            self._check_stop()
             done = self.dispatcher.wait(list(inflight), POLL_S)
             if done:
                 return done
+            self._beat()
             if self.alive_nodes():
                 no_node_since = None
                 continue
             no_node_since = no_node_since or time.monotonic()
             if time.monotonic() - no_node_since > self.no_node_grace_s:
-                for ref in inflight:
-                    self.dispatcher.cancel(ref)
                 raise StudyPaused(f"no node of chip {self.target.key} is left; study {self.name} paused")
 
-    def _run_fixed(self, phase: str, jobs: list[tuple[BenchParams, str | None]]) -> None:
-        """Measure fixed configurations (baseline, confirmation), in parallel over the chip's nodes.
-
-        A job pinned to a node that is gone runs on any node of the chip instead.
-        """
-        pending = list(jobs)
-        inflight: dict = {}  # ref -> (row id, params, None: no Optuna trial)
-        try:
-            while pending or inflight:
-                alive = self.alive_nodes()
-                slots = max(len(alive), 1) - len(inflight)
-                batch, pending = pending[:max(slots, 0)], pending[max(slots, 0):]
-                row_ids = self._commit([], [repo.NewTrial(phase, p.to_dict()) for p, _ in batch])
-                for (params, node), row_id in zip(batch, row_ids, strict=True):
-                    spec = self._spec(params, f"{phase}-{row_id}")
-                    ref = self.dispatcher.submit(spec, self.target.key, node if node in alive else None)
-                    inflight[ref] = (row_id, params, None)
-                self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs), inflight)
-                results = []
-                for ref in self._wait_for_any(inflight):
-                    row_id, params, _ = inflight.pop(ref)
-                    results.append((row_id, params, self.dispatcher.result(ref, f"{phase}-{row_id}")))
-                self._commit([self._finished(row_id, result) for row_id, _, result in results], [])
-                for _, params, result in results:
-                    if not result.ok and result.error == "node lost":
-                        pending.append((params, None))  # measure it again on another node
-                    self._emit(phase, len(jobs) - len(pending) - len(inflight), len(jobs),
-                               inflight, last=result)
-        except BaseException:
-            self._abandon(inflight, [])
-            raise
-
-    def _search(self) -> None:
-        """Ask the sampler for as many trials as the chip has idle nodes, a round at a time.
+    def _drive(self, source: JobSource) -> None:
+        """The study loop: propose, store, dispatch, collect, until the source has no more jobs.
 
         Each round costs the head one transaction (its results and the next trials' rows) however
         many trials it holds, so a large fleet of short trials makes larger rounds, not more work
         per trial. A round collects at most ``ROUND_RESULTS`` results: when many nodes finish at
         once, the first of them are busy again before the last are collected.
         """
-        study = self.optuna_study
-        inflight: dict = {}  # ref -> (row id, params, Optuna trial)
+        inflight: dict = {}  # ray ref -> job
         ready: list = []  # refs known to have finished, not yet collected
-        proposals: list = []  # (Optuna trial, params) asked ahead, for the next nodes to finish
-        results: list[repo.FinishedTrial] = []  # collected, written with the next round's starts
-        # counted once here, then kept up to date locally: re-reading the study every round costs
-        # the head a database read per trial, which a large fleet of short trials notices
-        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-        complete = sum(t.state == TrialState.COMPLETE for t in trials)
-        failed = len(trials) - complete
-
-        def room() -> int:
-            return self.budget - complete - len(inflight) - len(proposals)
-
-        def propose() -> tuple:
-            trial = study.ask()
-            return trial, self.space.suggest(trial)
-
+        collected: list[tuple[Job, repo.FinishedTrial]] = []  # stored with the next round
         try:
             while True:
-                if failed >= max(5, self.budget):
-                    raise StudyPaused(f"{failed} trials failed; see `fleettune results --study "
-                                      f"'{self.name}' --state failed`")
-                slots = max(len(self.alive_nodes()), 1) - len(inflight)
-                asked, proposals = proposals[:max(slots, 0)], proposals[max(slots, 0):]
-                while len(asked) < slots and room() > len(asked):
-                    asked.append(propose())
-                row_ids = self._commit(results, [repo.NewTrial("search", params.to_dict(), trial.number)
-                                                 for trial, params in asked])
-                results = []
-                for (trial, params), row_id in zip(asked, row_ids, strict=True):
-                    ref = self.dispatcher.submit(self._spec(params, f"search-{row_id}"), self.target.key)
-                    inflight[ref] = (row_id, params, trial)
+                self._check_stop()
+                # propose: as many jobs as the chip has idle nodes
+                jobs = source.take(max(max(len(self.alive_nodes()), 1) - len(inflight), 0))
+                # store: the last round's results and the new jobs' rows, in one transaction
+                self._store([f for _, f in collected], jobs)
+                collected = []
+                # dispatch
+                for job in jobs:
+                    inflight[self.dispatcher.submit(self._spec(job), self.target.key, job.node)] = job
                 if not inflight:
                     return
-                self._emit("search", complete, self.budget, inflight, failed)
-                # while no result is in, propose ahead for the next nodes to finish, so they need
-                # not wait for the sampler; only in a large fleet, where one result more or less
-                # changes little of what the sampler knows (small fleets always get fresh proposals)
-                ahead = min(AHEAD_MAX, len(inflight) // AHEAD_EVERY) if len(inflight) >= AHEAD_MIN_RUNNING else 0
-                while not ready and len(proposals) < ahead and room() > 0:
+                self._emit(source, inflight)
+                # while no result is in, propose ahead for the next nodes to finish
+                while not ready and source.ahead(len(inflight)):
                     ready = self.dispatcher.wait(list(inflight), 0)
-                    if not ready:
-                        proposals.append(propose())
                 if not ready:
                     ready = self._wait_for_any(inflight)
-                # a few results at a time, so their nodes get new trials while the rest wait
+                # collect: a few results at a time, so their nodes get new trials while the rest wait
                 chunk, ready = ready[:ROUND_RESULTS], ready[ROUND_RESULTS:]
-                round_results = []
                 for ref in chunk:
-                    row_id, params, trial = inflight.pop(ref)
-                    finished = self._finished(row_id, self.dispatcher.result(ref, f"search-{row_id}"))
-                    if finished.objective_value is None:
-                        study.tell(trial, state=TrialState.FAIL)
-                        failed += 1
-                    else:
-                        study.tell(trial, finished.objective_value)
-                        complete += 1
-                    round_results.append((finished, params))
-                results = [f for f, _ in round_results]
-                for finished, params in round_results:
-                    if finished.result.error == "node lost":
-                        study.enqueue_trial(self.space.optuna_params(params))  # asked again elsewhere
-                    self._emit("search", complete, self.budget, inflight, failed, last=finished.result)
+                    job = inflight[ref]
+                    finished = self._finished(job, self.dispatcher.result(ref, f"{job.phase}-{job.row_id}"))
+                    collected.append((job, finished))
+                    del inflight[ref]
+                    source.settle(job, finished)
+                    self._emit(source, inflight, finished.result)
         except BaseException:
-            for trial, _ in proposals:
-                study.tell(trial, state=TrialState.FAIL)  # asked ahead, never dispatched
-            self._abandon(inflight, results)
+            self._abandon(source, inflight, collected)
             raise
 
-    def _abandon(self, inflight: dict, collected: list[repo.FinishedTrial]) -> None:
+    def _abandon(self, source: JobSource, inflight: dict, collected: list) -> None:
         """Cancel running trials and mark them failed (interrupted), in the DB and in Optuna;
-        results already collected are stored as they are."""
-        finished = list(collected)
-        for ref, (row_id, _, trial) in inflight.items():
+        results already collected are stored as they are, told to Optuna as they are. When the
+        database is away this gives up: the resumed study fails the rows left running and
+        measures those configurations again."""
+        finished = []
+        for job, result in collected:
+            if not job.settled:
+                source.settle(job, result)
+            finished.append(result)
+        for ref, job in inflight.items():
             self.dispatcher.cancel(ref)
-            finished.append(repo.FinishedTrial(row_id, TrialResult.failure("", "interrupted"), None, None, None))
-            if trial is not None:
-                self.optuna_study.tell(trial, state=TrialState.FAIL)
-        self._commit(finished, [])
+            interrupted = TrialResult.failure(f"{job.phase}-{job.row_id}", "interrupted", FailureKind.INTERRUPTED)
+            finished.append(repo.FinishedTrial(job.row_id, interrupted, None, None, None))
+            source.abandon(job)
+        for job in source.release():
+            source.abandon(job)  # asked ahead, never dispatched
+        try:
+            self._store(finished, [])
+        except (DatabaseUnavailable, StudyPaused) as exc:
+            log.warning("study %s: results not stored (%s); they are measured again on resume", self.name, exc)
 
     def _records(self) -> tuple[list[learn.TrialRecord], dict[int, float]]:
         from orchestrator.schedules import trial_records
@@ -500,17 +736,17 @@ class StudyRunner:
                       if r.state == "complete" and r.objective_value is not None}
             return trial_records(rows), values
 
-    def _confirm(self) -> None:
-        """Measure the top configurations and the baseline again, in one round.
+    def _confirm_jobs(self) -> list[tuple[BenchParams, str | None]]:
+        """The top configurations and the baseline, to measure again in one round.
 
         Where the chip has two or more nodes, every configuration is confirmed on two different
         nodes (pairs rotating over the chip's nodes), so one node's quirks cannot pick the winner
         and every node gets compared with a peer on the same configuration.
         """
         records, values = self._records()
-        top = learn.top_configs(records, values, self.cfg.objective, self.cfg.confirm_top)
+        top = learn.top_configs(records, values, self.objective, self.cfg.confirm_top)
         if not top:
-            return
+            return []
         confirmed = {learn.config_key(BenchParams.from_dict(r.params))
                      for r in self._phase_trials("confirm", complete_only=True)}
         nodes = sorted(self.alive_nodes()) or [None]
@@ -519,23 +755,27 @@ class StudyRunner:
         for i, params in enumerate(configs):  # pairs rotate so every node is compared with a peer
             pair = {nodes[i % len(nodes)], nodes[(i + 1) % len(nodes)]}
             jobs += [(params, node) for node in sorted(pair, key=str)]
-        if jobs:
-            self._run_fixed("confirm", jobs)
+        return jobs
+
+    def _draft(self) -> learn.RecommendationDraft | None:
+        records, _ = self._records()
+        w = self.workload
+        return learn.recommend(records, self.objective, w.n_prompt, w.n_gen)
 
     def _recommend(self) -> tuple[learn.RecommendationDraft | None, int | None]:
-        records, _ = self._records()
-        w = self.cfg.workload
-        draft = learn.recommend(records, self.cfg.objective, w.n_prompt, w.n_gen)
+        draft = self._draft()
         if draft is None:
             return None, None
-        with self.db.session() as s:
+        w = self.workload
+
+        def work(s):
             study = repo.get_study(s, self.name)
             rec = repo.add_recommendation(
                 s,
                 chip_id=study.chip_id,
                 model_id=study.model_id,
                 study_id=study.id,
-                objective=self.cfg.objective,
+                objective=str(self.objective),
                 n_prompt=w.n_prompt,
                 n_gen=w.n_gen,
                 params=draft.params.to_dict(),
@@ -549,15 +789,26 @@ class StudyRunner:
                 evidence=draft.evidence,
                 simulated=draft.simulated,
             )
-            version = rec.version
-        return draft, version
+            return rec.version
 
-    def _emit(self, phase, done, total, inflight, failed=0, last=None) -> None:
+        return draft, self._transaction(work)
+
+    def _latest_recommendation(self) -> tuple[learn.RecommendationDraft | None, int | None]:
+        """A finished study's recommendation as it stands, written by no one."""
+        draft = self._draft()
+        with self.db.session() as s:
+            study = repo.get_study(s, self.name)
+            recs = repo.latest_recommendations(s, [study.model_id], study.chip.key, str(self.objective))
+            versions = [r.version for r in recs if (r.n_prompt, r.n_gen) == (study.n_prompt, study.n_gen)]
+        return draft, max(versions, default=None)
+
+    def _emit(self, source: JobSource, inflight: dict, last: TrialResult | None = None) -> None:
         best_value = best_params = None
-        if phase == "search":
-            best_value, best_params = self._best(done)
-        running = [params for _, params, _ in inflight.values()]
-        self.on_progress(Progress(phase, done, total, failed, best_value, best_params, running, last))
+        if source.phase == "search":
+            best_value, best_params = self._best(source.done_count())
+        running = [job.params for job in inflight.values()]
+        self.on_progress(Progress(source.phase, source.done_count(), source.total, source.failed_count(),
+                                  best_value, best_params, running, last))
 
     def _best(self, n_complete: int) -> tuple[float | None, BenchParams | None]:
         """The best search trial so far, looked up again only when a trial completed."""

@@ -7,7 +7,15 @@ from dataclasses import replace
 
 from orchestrator import dispatch
 from orchestrator.db import Database, repo
-from orchestrator.studies import ChipTarget, Progress, StudyConfig, StudyOutcome, StudyRunner
+from orchestrator.stopping import StopRequest, pause_on_signals
+from orchestrator.studies import (
+    ChipTarget,
+    Progress,
+    StudyConfig,
+    StudyOutcome,
+    StudyPaused,
+    StudyRunner,
+)
 from workers.agent import NodeInfo
 from workers.errors import BadInput
 from workers.hardware import Fingerprint, fingerprint_live
@@ -64,13 +72,14 @@ def choose_chip(
     return Fingerprint.from_dict(chosen[0].fingerprint), chosen
 
 
-def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False) -> StudyRunner:
+def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False,
+            stop: StopRequest | None = None) -> StudyRunner:
     target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen))
     key = target.key
     if warm and not cfg.resume and not cfg.warm_start:
         from orchestrator.schedules import warm_start
 
-        configs = warm_start(db, key, cfg.model, cfg.objective, target.simulated)
+        configs = warm_start(db, key, cfg.model, str(cfg.objective), target.simulated)
         cfg = replace(cfg, warm_start=tuple(configs))
     return StudyRunner(
         db,
@@ -79,6 +88,7 @@ def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False) -> St
         target,
         alive_nodes=dispatch.ChipNodes(key),
         on_progress=on_progress,
+        stop=stop,
     )
 
 
@@ -89,14 +99,19 @@ def tune_all_chips(
     address: str | None = None,
     on_progress: Callable[[str, Progress], None] | None = None,
     warm: bool = True,
+    stop: StopRequest | None = None,
 ) -> list[StudyOutcome]:
-    """One study per chip present in the cluster, all at once, each on its own chip's nodes."""
-    from concurrent.futures import ThreadPoolExecutor
+    """One study per chip present in the cluster, all at once, each on its own chip's nodes.
 
+    SIGINT, SIGTERM and SIGHUP pause every one of them; when any study paused, the others still
+    run to their end and then ``StudyPaused`` names the paused ones (exit 3).
+    """
     if cfg.name:
         raise BadInput("--study names one study; with --all-chips the names are chosen per chip")
     cfg.validate()
-    with dispatch.connected(address, local_chip_key=None if address else fingerprint_live().chip_key):
+    stop = stop or StopRequest()
+    with pause_on_signals(stop), \
+            dispatch.connected(address, local_chip_key=None if address else fingerprint_live().chip_key):
         infos = dispatch.describe_nodes(dispatch.bench_nodes())
         by_chip = nodes_by_chip(infos, is_sim_model(cfg.model.path))
         if not by_chip:
@@ -104,13 +119,38 @@ def tune_all_chips(
         runners = []
         for key, chosen in sorted(by_chip.items()):
             report = (lambda p, k=key: on_progress(k, p)) if on_progress else None
-            runner = _runner(db, cfg, Fingerprint.from_dict(chosen[0].fingerprint), chosen, report, warm)
+            runner = _runner(db, cfg, Fingerprint.from_dict(chosen[0].fingerprint), chosen, report, warm, stop)
             runner.prepare()  # every study is validated before any of them runs
             runners.append((runner, chosen))
         for runner, chosen in runners:
             runner.target.node_ids.update(record_nodes(db, chosen))
-        with ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix="study") as pool:
-            return list(pool.map(lambda rc: rc[0].run(), runners))
+
+        return run_studies([r for r, _ in runners], stop)
+
+
+def run_studies(runners: list[StudyRunner], stop: StopRequest) -> list[StudyOutcome]:
+    """Run prepared studies at once, one thread each, the calling thread left free for signals.
+
+    A study that pauses (a signal sets ``stop`` for all of them; no node left pauses one) does
+    not stop the others; when any paused, ``StudyPaused`` names each after all have ended.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(runner: StudyRunner) -> StudyOutcome | StudyPaused:
+        try:
+            return runner.run()
+        except StudyPaused as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(len(runners), 1), thread_name_prefix="study") as pool:
+        futures = [pool.submit(run, r) for r in runners]
+        while not all(f.done() for f in futures):  # wake often enough for a signal's handler
+            stop.wait(0.2)
+        outcomes = [f.result() for f in futures]
+    paused = [o for o in outcomes if isinstance(o, StudyPaused)]
+    if paused:
+        raise StudyPaused("; ".join(str(p) for p in paused))
+    return outcomes
 
 
 def tune(
@@ -122,17 +162,21 @@ def tune(
     on_progress: Callable[[Progress], None] | None = None,
     on_ready: Callable[[StudyRunner], None] | None = None,
     warm: bool = True,
+    stop: StopRequest | None = None,
 ) -> StudyOutcome:
-    """Run one study end to end; in embedded mode Ray is started here and stopped at the end."""
+    """Run one study end to end; in embedded mode Ray is started here and stopped at the end.
+
+    SIGINT, SIGTERM and SIGHUP pause the study (``StudyPaused``, exit 3)."""
     cfg.validate()
     local_key = None if address else fingerprint_live().chip_key
-    with dispatch.connected(address, local_chip_key=local_key):
+    stop = stop or StopRequest()
+    with pause_on_signals(stop), dispatch.connected(address, local_chip_key=local_key):
         nodes = dispatch.bench_nodes(chip_key)
         if not nodes and chip_key:
             raise BadInput(f"unknown chip {chip_key!r}: no bench node has it")
         infos = dispatch.describe_nodes(nodes)
         fingerprint, chosen = choose_chip(infos, chip_key, is_sim_model(cfg.model.path))
-        runner = _runner(db, cfg, fingerprint, chosen, on_progress, warm)
+        runner = _runner(db, cfg, fingerprint, chosen, on_progress, warm, stop)
         runner.prepare()  # validates before it writes anything
         runner.target.node_ids.update(record_nodes(db, chosen))
         if on_ready:

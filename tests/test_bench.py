@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import TINY
 from workers.bench import _describe_exit, measure, validate_params, validate_workload
 from workers.errors import BadInput
-from workers.trial import BenchParams, Stats, TrialSpec, Workload
+from workers.trial import BenchParams, FailureKind, Stats, TrialSpec, Workload
 
 
 def _spec(model_info, params=None, workload=None, **kw) -> TrialSpec:
@@ -83,9 +83,9 @@ def test_model_missing_on_node(model_info):
 
 
 def test_crash_and_oom_reasons():
-    assert _describe_exit(-11, "") == "llama.cpp crashed (SIGSEGV)"
-    assert _describe_exit(-9, "") == "killed by SIGKILL (out of memory?)"
-    assert _describe_exit(1, "x\nboom\n").endswith(": boom")
+    assert _describe_exit(-11, "") == ("llama.cpp crashed (SIGSEGV)", FailureKind.CRASH)
+    assert _describe_exit(-9, "") == ("killed by SIGKILL (out of memory?)", FailureKind.OUT_OF_MEMORY)
+    assert _describe_exit(1, "x\nboom\n")[0].endswith(": boom")
 
 
 @pytest.mark.parametrize(

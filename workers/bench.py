@@ -30,7 +30,7 @@ from pathlib import Path
 from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
-from workers.trial import BenchParams, Sample, TrialResult, TrialSpec, Workload
+from workers.trial import BenchParams, FailureKind, Sample, TrialResult, TrialSpec, Workload
 
 MAX_BATCH = 1 << 16
 
@@ -307,21 +307,22 @@ def _child_main(spec_path: str, result_path: str) -> int:
 # ---------------------------------------------------------------- the parent side
 
 
-def _describe_exit(returncode: int, stderr: str) -> str:
+def _describe_exit(returncode: int, stderr: str) -> tuple[str, FailureKind]:
     if returncode < 0:
         sig = signal.Signals(-returncode).name
         if sig == "SIGKILL":
-            return "killed by SIGKILL (out of memory?)"
-        return f"llama.cpp crashed ({sig})"
+            return "killed by SIGKILL (out of memory?)", FailureKind.OUT_OF_MEMORY
+        return f"llama.cpp crashed ({sig})", FailureKind.CRASH
     tail = [line for line in stderr.strip().splitlines() if line.strip()]
-    return f"measuring process exited with {returncode}" + (f": {tail[-1]}" if tail else "")
+    return f"measuring process exited with {returncode}" + (f": {tail[-1]}" if tail else ""), FailureKind.CRASH
 
 
 def measure(spec: TrialSpec) -> TrialResult:
     """Run one trial in a fresh subprocess; any failure comes back as ``ok=False`` with a reason."""
     if not Path(spec.model_path).is_file():
         return TrialResult.failure(
-            spec.trial_key, f"model not on node ({spec.model_path}); run `fleettune model push`"
+            spec.trial_key, f"model not on node ({spec.model_path}); run `fleettune model push`",
+            FailureKind.MODEL_MISSING,
         )
     with tempfile.TemporaryDirectory(prefix="fleettune-trial-") as tmp:
         spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
@@ -336,16 +337,15 @@ def measure(spec: TrialSpec) -> TrialResult:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return TrialResult.failure(
-                    spec.trial_key, f"timed out after {spec.timeout_s:g}s", started_at=started,
-                    finished_at=time.time(),
+                    spec.trial_key, f"timed out after {spec.timeout_s:g}s", FailureKind.TIMEOUT,
+                    started_at=started, finished_at=time.time(),
                 )
             err.seek(0)
             stderr = err.read()
         if returncode != 0 or not result_path.is_file():
-            return TrialResult.failure(
-                spec.trial_key, _describe_exit(returncode, stderr), started_at=started,
-                finished_at=time.time(),
-            )
+            reason, kind = _describe_exit(returncode, stderr)
+            return TrialResult.failure(spec.trial_key, reason, kind, started_at=started,
+                                       finished_at=time.time())
         return TrialResult.from_dict(json.loads(result_path.read_text()))
 
 

@@ -5,6 +5,7 @@ They are plain dataclasses of builtins so they pickle cheaply and can be stored 
 
 from __future__ import annotations
 
+import enum
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 
@@ -118,9 +119,29 @@ class Stats:
         return cls(mean, statistics.median(rates), stddev, stddev / mean if mean else 0.0, len(rates))
 
 
+class FailureKind(enum.Enum):
+    """Why a trial failed, as the study loop decides on it (the message is for people).
+
+    ``NODE_LOST`` and ``INTERRUPTED`` say nothing about the configuration: the study measures it
+    again (a node lost, a bounded number of times). The others are the configuration's own
+    outcome and count as a failed trial.
+    """
+
+    NODE_LOST = "node lost"
+    INTERRUPTED = "interrupted"
+    TIMEOUT = "timeout"
+    CRASH = "crash"
+    OUT_OF_MEMORY = "out of memory"
+    MODEL_CHANGED = "model changed"
+    MODEL_MISSING = "model missing"
+    BAD_CONFIG = "bad config"
+    NO_SAMPLES = "no samples"
+    WORKER_ERROR = "worker error"
+
+
 @dataclass
 class TrialResult:
-    """What a worker sends back: samples and summaries, or an error with its reason."""
+    """What a worker sends back: samples and summaries, or an error with its reason and kind."""
 
     trial_key: str
     ok: bool
@@ -137,6 +158,17 @@ class TrialResult:
     measure_s: float | None = None  # load + decode time inside the measuring subprocess
     simulated: bool = False
     backend_info: str | None = None
+    failure_kind: str | None = None  # a FailureKind value (a plain string: it crosses as JSON)
+
+    @property
+    def kind(self) -> FailureKind | None:
+        """The failure's kind; None for a result that is ok."""
+        if self.ok:
+            return None
+        try:
+            return FailureKind(self.failure_kind)
+        except ValueError:
+            return FailureKind.WORKER_ERROR
 
     def stats(self, kind: str) -> Stats | None:
         return Stats.of([s for s in self.samples if s.kind == kind])
@@ -159,5 +191,6 @@ class TrialResult:
         return cls(**data)
 
     @classmethod
-    def failure(cls, trial_key: str, reason: str, **extra) -> TrialResult:
-        return cls(trial_key=trial_key, ok=False, error=reason, **extra)
+    def failure(cls, trial_key: str, reason: str, kind: FailureKind = FailureKind.WORKER_ERROR,
+                **extra) -> TrialResult:
+        return cls(trial_key=trial_key, ok=False, error=reason, failure_kind=kind.value, **extra)

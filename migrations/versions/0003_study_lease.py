@@ -1,4 +1,5 @@
-"""study lease (one driver per study, with a heartbeat) and the source file of imported studies
+"""study lease (one driver per study, with a heartbeat), the source file of imported studies,
+and a failed trial's kind
 
 Revision ID: 0003
 Revises: 0002
@@ -20,9 +21,13 @@ def upgrade() -> None:
         batch.add_column(sa.Column("lease_heartbeat", sa.DateTime(timezone=True), nullable=True))
         batch.add_column(sa.Column("source_sha256", sa.String(length=64), nullable=True))
         batch.create_index(batch.f("ix_ft_studies_source_sha256"), ["source_sha256"], unique=False)
+    with op.batch_alter_table("ft_trials") as batch:
+        batch.add_column(sa.Column("failure_kind", sa.String(length=20), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("ft_trials") as batch:
+        batch.drop_column("failure_kind")
     with op.batch_alter_table("ft_studies") as batch:
         batch.drop_index(batch.f("ix_ft_studies_source_sha256"))
         batch.drop_column("source_sha256")

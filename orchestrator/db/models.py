@@ -136,6 +136,7 @@ class Trial(Base):
     params: Mapped[dict] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(20), default="running")
     error: Mapped[str | None] = mapped_column(Text)
+    failure_kind: Mapped[str | None] = mapped_column(String(20))  # workers.trial.FailureKind value
     objective_value: Mapped[float | None] = mapped_column(Float)
     pp_tps_median: Mapped[float | None] = mapped_column(Float)
     pp_tps_mean: Mapped[float | None] = mapped_column(Float)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload
 
 from orchestrator.db.models import (
@@ -163,6 +166,60 @@ def add_study(session: Session, **fields) -> Study:
     return study
 
 
+def add_study_free_name(session: Session, base: str, **fields) -> Study:
+    """A new study named ``base`` (or ``base#2``, ...), safe against another driver creating a study
+    of the same name at the same instant: a name taken meanwhile is retried with the next one."""
+    for _ in range(100):
+        name = free_study_name(session, base)
+        try:
+            with session.begin_nested():  # a savepoint: a clash undoes this insert only
+                return add_study(session, name=name, **fields)
+        except IntegrityError:
+            continue
+    raise BadInput(f"could not find a free study name for {base!r}")
+
+
+def acquire_lease(session: Session, study_id: int, owner: str, stale_before: datetime,
+                  dead: Callable[[str], bool]) -> str | None:
+    """Hold the study for ``owner``; returns None when held, else the holder that keeps it.
+
+    The lease is free when nobody holds it, when the holder's heartbeat is older than
+    ``stale_before`` or when ``dead(holder)`` says the holder's process is gone. The update is
+    conditional on the holder it saw, so two drivers taking over at once cannot both win.
+    """
+    holder = session.execute(
+        select(Study.lease_owner, Study.lease_heartbeat).where(Study.id == study_id)
+    ).one()
+    owner_now, beat = holder
+    if owner_now and owner_now != owner and beat is not None:
+        beat = beat if beat.tzinfo else beat.replace(tzinfo=UTC)
+        if beat >= stale_before and not dead(owner_now):
+            return owner_now
+    taken = session.execute(
+        update(Study)
+        .where(Study.id == study_id,
+               Study.lease_owner.is_(None) if owner_now is None else Study.lease_owner == owner_now)
+        .values(lease_owner=owner, lease_heartbeat=utcnow())
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return None if taken == 1 else (owner_now or "another driver")
+
+
+def renew_lease(session: Session, study_id: int, owner: str) -> bool:
+    """Refresh the holder's heartbeat; False when ``owner`` no longer holds the study."""
+    return session.execute(
+        update(Study).where(Study.id == study_id, Study.lease_owner == owner)
+        .values(lease_heartbeat=utcnow()).execution_options(synchronize_session=False)
+    ).rowcount == 1
+
+
+def release_lease(session: Session, study_id: int, owner: str) -> None:
+    session.execute(
+        update(Study).where(Study.id == study_id, Study.lease_owner == owner)
+        .values(lease_owner=None, lease_heartbeat=None).execution_options(synchronize_session=False)
+    )
+
+
 def set_study_state(session: Session, study_id: int, state: str, message: str | None = None) -> None:
     study = session.get(Study, study_id)
     study.state = state
@@ -214,6 +271,7 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
     for f in finished:
         r = f.result
         row = {"id": f.trial_id, "state": "complete" if r.ok else "failed", "error": r.error,
+               "failure_kind": None if r.ok else r.kind.value,
                "node_id": f.node_id, "objective_value": f.objective_value, "e2e_s": f.e2e_s,
                "load_s": r.load_s, "measure_s": r.measure_s, "peak_rss_bytes": r.peak_rss_bytes,
                "thermal_before": r.thermal_before, "thermal_after": r.thermal_after,
@@ -326,10 +384,36 @@ def add_recommendation(session: Session, **fields) -> Recommendation:
         )
         or 0
     )
+    if version:
+        latest = session.scalar(select(Recommendation).where(
+            Recommendation.chip_id == fields["chip_id"],
+            Recommendation.model_id == fields["model_id"],
+            Recommendation.objective == fields["objective"],
+            Recommendation.n_prompt == fields["n_prompt"],
+            Recommendation.n_gen == fields["n_gen"],
+            Recommendation.version == version,
+        ))
+        if latest is not None and _same_recommendation(latest, fields):
+            return latest  # nothing changed: a version counts only real changes
     rec = Recommendation(version=version + 1, **fields)
     session.add(rec)
     session.flush()
     return rec
+
+
+def _same_recommendation(row: Recommendation, fields: dict) -> bool:
+    """Whether ``fields`` say what ``row`` says: the same configuration, figures and evidence."""
+    for key, value in fields.items():
+        stored = getattr(row, key)
+        if isinstance(value, float) and isinstance(stored, float):
+            if abs(value - stored) > 1e-9 * max(1.0, abs(stored)):
+                return False
+        elif key in ("params", "evidence"):
+            if json.dumps(stored, sort_keys=True) != json.dumps(value, sort_keys=True):
+                return False
+        elif stored != value:
+            return False
+    return True
 
 
 def latest_recommendations(

@@ -26,7 +26,49 @@ from orchestrator.db.models import Base
 from workers.errors import BadInput
 from workers.paths import data_dir
 
-SQLITE_BUSY_TIMEOUT_S = 30
+SQLITE_BUSY_TIMEOUT_S = float(os.environ.get("FLEETTUNE_SQLITE_BUSY_TIMEOUT_S", "30"))
+# how long a study keeps retrying a database that does not answer (a restart, a long lock)
+DB_RETRY_WINDOW_S = float(os.environ.get("FLEETTUNE_DB_RETRY_S", "60"))
+
+
+class DatabaseUnavailable(Exception):
+    """The database did not answer within the retry window."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure that a later attempt may not meet: a lost connection, a restart, a lock."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+def retrying(attempt, *, window_s: float | None = None, should_stop=lambda: False, on_retry=None):
+    """``attempt()``, again with backoff while it fails transiently, for at most ``window_s``.
+
+    Each attempt must be a whole transaction (its own session), so a failed one leaves nothing.
+    Raises ``DatabaseUnavailable`` when the window is over or ``should_stop()`` says so.
+    """
+    import time
+
+    window = DB_RETRY_WINDOW_S if window_s is None else window_s
+    deadline = time.monotonic() + window
+    delay = 0.1
+    while True:
+        try:
+            return attempt()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0 or should_stop():
+                raise DatabaseUnavailable(f"the database did not answer for {window:g}s: "
+                                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+            if on_retry:
+                on_retry(exc)
+            time.sleep(min(delay, left))  # backoff between attempts, not a synchronisation
+            delay = min(delay * 2, 2.0)
 
 
 def default_db_url() -> str:
@@ -54,7 +96,7 @@ def _parse(url: str) -> URL:
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+    cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 

@@ -1,0 +1,502 @@
+"""Fault injection into real studies, then the invariants (orchestrator/audit.py) checked.
+
+Every fault is real: the study's driver is a separate process (``faults.py drive``: the study loop
+``tune`` runs, over an in-process fleet of simulated Macs whose trials take real wall time) that
+is killed with SIGKILL, sent SIGINT or SIGTERM, or left running while its database is restarted,
+stopped past the retry window, or locked by another process; two drivers race for one study and
+two new studies for one name. After each fault the study is resumed (``--resume``) to its
+budget and audited: 0 results lost, 0 duplicated, every invariant held.
+
+PostgreSQL faults use a private server (``initdb`` + ``pg_ctl`` in a temporary directory on its
+own port); the shared server on 5432 is never touched.
+
+    python bench/faults.py run --db sqlite --kills 40 --signals 20 --db-faults 6 --races 6
+    python bench/faults.py run --db postgres --kills 40 --signals 20 --db-faults 6 --races 6
+    python bench/faults.py drive --db URL [--study NAME] [--trials 30] [--nodes 4] [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_PAUSED = 0, 2, 3
+CHIPS = ("M2 Ultra/76", "M1 Pro/16", "M3 Max/40")
+MODEL = "sim://llama2-7b/q4_0"
+
+
+# ---------------------------------------------------------------- the driver (a real process)
+
+
+def drive(args) -> int:
+    """Run (or resume) one study per ``--chips`` chip over in-process simulated nodes."""
+    from bench.dispatch_throughput import VirtualFleet
+    from orchestrator.db import open_database
+    from orchestrator.stopping import StopRequest, pause_on_signals
+    from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
+    from orchestrator.tune import run_studies
+    from workers import simulated
+    from workers.errors import BadInput
+    from workers.hardware import Fingerprint
+    from workers.trial import Workload
+
+    stop = StopRequest()
+    with pause_on_signals(stop):
+        try:
+            db = open_database(args.db)
+            runners = []
+            for i, label in enumerate(CHIPS[: args.chips]):
+                chip = simulated.parse_chip(label)
+                fleet = VirtualFleet(chip, args.nodes, args.trial_s, prefix=f"chip{i}", seed=args.seed)
+                target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
+                name = f"{args.study}-{i}" if args.study and args.chips > 1 else args.study
+                cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
+                                  n_trials=args.trials, sampler=args.sampler, seed=args.seed, confirm_top=2,
+                                  name=name, resume=args.resume)
+                runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive, stop=stop)
+                runner.prepare()
+                runners.append(runner)
+            outcomes = run_studies(runners, stop)
+        except BadInput as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except StudyPaused as exc:
+            print(f"paused: {exc}", file=sys.stderr)
+            return EXIT_PAUSED
+    print(json.dumps([o.name for o in outcomes]))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- a private PostgreSQL server
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for folder in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (folder / name).is_file():
+            return str(folder / name)
+    raise FileNotFoundError(f"{name} (PostgreSQL's server binaries) not found")
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of our own in a temporary directory, on a free port, trust auth.
+
+    As root, the server runs as the ``postgres`` user (``initdb`` refuses root)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="fleettune-pg-"))
+        self.data = self.dir / "data"
+        self.port = _free_port()
+        self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self._as:
+            shutil.chown(self.dir, "postgres", "postgres")
+        self._run(_pg_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*self._as, *argv], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       cwd=self.dir)
+
+    def start(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-w", "-t", "60",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    def restart(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "60",
+                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off",
+                  "-l", str(self.dir / "log"), "restart")
+
+    def new_database(self) -> str:
+        from sqlalchemy import create_engine, text
+
+        name = f"faults_{uuid.uuid4().hex[:8]}"
+        engine = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres",
+                               isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        engine.dispose()
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
+
+    def close(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):  # already stopped
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the harness
+
+
+@dataclass
+class Tally:
+    """Faults injected and what the audits found, per kind."""
+
+    faults: Counter = field(default_factory=Counter)
+    studies: Counter = field(default_factory=Counter)
+    held: Counter = field(default_factory=Counter)
+    lost: int = 0
+    duplicated: int = 0
+    problems: list[str] = field(default_factory=list)
+    phases: Counter = field(default_factory=Counter)
+    pause_s: list[float] = field(default_factory=list)
+
+    def add(self, other: Tally) -> None:
+        self.faults += other.faults
+        self.studies += other.studies
+        self.held += other.held
+        self.lost += other.lost
+        self.duplicated += other.duplicated
+        self.problems += other.problems
+        self.phases += other.phases
+        self.pause_s += other.pause_s
+
+
+class Harness:
+    """Starts drivers against one database and injects faults into them."""
+
+    def __init__(self, url: str, *, trials: int = 24, nodes: int = 4, trial_s: float = 0.05,
+                 seed: int = 0, env: dict | None = None, chips: int = 1) -> None:
+        self.url, self.trials, self.nodes, self.trial_s, self.chips = url, trials, nodes, trial_s, chips
+        self.rng = random.Random(seed)
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.tally = Tally()
+
+    def start(self, study: str | None, *, resume: bool = False, chips: int | None = None,
+              extra_env: dict | None = None) -> subprocess.Popen:
+        argv = [sys.executable, str(ROOT / "bench" / "faults.py"), "drive", "--db", self.url,
+                "--trials", str(self.trials), "--nodes", str(self.nodes), "--trial-s", str(self.trial_s),
+                "--chips", str(chips or self.chips), "--seed", str(self.rng.randrange(1 << 30))]
+        if study:
+            argv += ["--study", study]
+        if resume:
+            argv.append("--resume")
+        return subprocess.Popen(argv, env={**self.env, **(extra_env or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+        """The driver's exit code and its last line (stderr; stdout when it succeeded)."""
+        out, err = proc.communicate(timeout=timeout)
+        text = out if proc.returncode == EXIT_OK else err
+        return proc.returncode, (text.strip().splitlines() or [""])[-1]
+
+    def phase_now(self, study: str) -> str:
+        """The phase the study's newest trial row is in (what a kill at this instant interrupts)."""
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                row = conn.execute(text(
+                    "select t.phase, t.state from ft_trials t join ft_studies s on s.id = t.study_id "
+                    "where s.name like :n order by t.id desc limit 1"), {"n": study + "%"}).first()
+        except Exception:  # noqa: BLE001 - the schema may not exist yet
+            return "setup"
+        finally:
+            engine.dispose()
+        return "setup" if row is None else f"{row[0]}"
+
+    def exists(self, study: str) -> bool:
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                return conn.execute(text("select count(*) from ft_studies where name like :n"),
+                                    {"n": study + "%"}).scalar() > 0
+        finally:
+            engine.dispose()
+
+    def all_complete(self, study: str, chips: int | None = None) -> bool:
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                states = conn.execute(text("select state from ft_studies where name like :n"),
+                                      {"n": study + "%"}).scalars().all()
+        finally:
+            engine.dispose()
+        return len(states) == (chips or self.chips) and set(states) == {"complete"}
+
+    def resume_to_end(self, study: str, chips: int | None = None, attempts: int = 5) -> int:
+        """Resume the study until it completes (start it, if a fault came before it existed)."""
+        for _ in range(attempts):
+            code, line = self.finish(self.start(study, resume=self.exists(study), chips=chips))
+            if code == EXIT_OK:
+                return code
+            if code != EXIT_PAUSED:
+                raise RuntimeError(f"resume of {study} exited {code}: {line}")
+        raise RuntimeError(f"{study} not complete after {attempts} resumes")
+
+    def audit(self, names: list[str], kind: str) -> None:
+        from orchestrator.audit import audit_study
+        from orchestrator.db import open_database
+
+        db = open_database(self.url)
+        try:
+            for name in names:
+                report = audit_study(db, name)
+                self.tally.studies[kind] += 1
+                self.tally.lost += report.lost
+                self.tally.duplicated += report.duplicated
+                if report.ok and report.state == "complete":
+                    self.tally.held[kind] += 1
+                else:
+                    self.tally.problems += [f"{kind} {name}: {p}" for p in report.problems or [report.state]]
+        finally:
+            db.dispose()
+
+    def names(self, study: str, chips: int | None = None) -> list[str]:
+        n = chips or self.chips
+        return [f"{study}-{i}" for i in range(n)] if n > 1 else [study]
+
+    # -- the faults
+
+    def kills(self, count: int, per_study: int = 3) -> None:
+        """SIGKILL of the driver at random instants spread over a study, then --resume."""
+        done = 0
+        while done < count:
+            study = f"kill-{uuid.uuid4().hex[:6]}"
+            for _ in range(min(per_study, count - done)):
+                proc = self.start(study, resume=self.exists(study))
+                # anywhere from the first import to the end of the confirmation
+                deadline = time.monotonic() + self.rng.uniform(1.0, 5.0)
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)  # a random instant to kill at, not a synchronisation
+                if proc.poll() is not None:  # finished before the instant: no fault injected
+                    self.finish(proc)
+                    continue
+                self.tally.phases[self.phase_now(study)] += 1
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                self.tally.faults["SIGKILL driver"] += 1
+                done += 1
+            self.resume_to_end(study)
+            self.audit(self.names(study), "SIGKILL driver")
+
+    def signals(self, count: int, chips: int = 1) -> None:
+        """SIGINT/SIGTERM/SIGHUP at a random instant: the driver pauses within seconds (exit 3)."""
+        for i in range(count):
+            sig = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)[i % 3]
+            study = f"sig-{uuid.uuid4().hex[:6]}"
+            proc = self.start(study, chips=chips)
+            while proc.poll() is None and self.phase_now(study) == "setup":
+                time.sleep(0.02)  # polling for the study to exist: its signal handlers are in place
+            deadline = time.monotonic() + self.rng.uniform(0.0, 2.0)
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # a random instant to signal at, not a synchronisation
+            if proc.poll() is None:
+                sent = time.monotonic()
+                proc.send_signal(sig)
+                code, line = self.finish(proc, timeout=60)
+                self.tally.pause_s.append(time.monotonic() - sent)
+                kind = f"{sig.name}{' --all-chips' if chips > 1 else ''}"
+                # the signal's own exit is right only when it came after the studies had ended
+                if code not in (EXIT_OK, EXIT_PAUSED) and not (code == -sig and self.all_complete(study, chips)):
+                    self.tally.problems.append(f"{kind} {study}: exit {code}: {line}")
+                self.tally.faults[kind] += 1
+            else:
+                kind = "no fault (finished first)"
+                self.finish(proc)
+            self.resume_to_end(study, chips=chips)
+            self.audit(self.names(study, chips), kind)
+
+    def two_drivers(self, count: int) -> None:
+        """A second driver on a running study is refused (exit 2); the first completes."""
+        for _ in range(count):
+            study = f"two-{uuid.uuid4().hex[:6]}"
+            first = self.start(study)
+            while first.poll() is None and self.phase_now(study) == "setup":
+                time.sleep(0.02)  # polling for the first driver's rows
+            second = self.start(study, resume=True)
+            code, line = self.finish(second)
+            self.tally.faults["two drivers on one study"] += 1
+            first_code, first_line = self.finish(first)
+            # refused while the first holds the study; 0 only if it came after the first had ended
+            if code not in (EXIT_BAD_INPUT, EXIT_OK) or (code == EXIT_BAD_INPUT and "another driver" not in line):
+                self.tally.problems.append(f"second driver exit {code}: {line}")
+            if first_code != EXIT_OK:
+                self.tally.problems.append(f"first driver exit {first_code}: {first_line}")
+            self.audit([study], "two drivers on one study")
+
+    def same_name(self, count: int) -> None:
+        """Two new studies with the same default name at once: both run, under distinct names."""
+        for _ in range(count):
+            procs = [self.start(None) for _ in range(2)]
+            names = []
+            for proc in procs:
+                code, line = self.finish(proc)
+                if code != EXIT_OK:
+                    self.tally.problems.append(f"same-name driver exit {code}: {line}")
+                else:
+                    names += json.loads(line)
+            self.tally.faults["two new studies, one name"] += 1
+            if len(set(names)) != len(names):
+                self.tally.problems.append(f"two new studies share a name: {names}")
+            self.audit(sorted(set(names)), "two new studies, one name")
+
+
+def sqlite_lock(h: Harness, hold_s: float, kind: str) -> None:
+    """Another process holds the SQLite file's write lock for ``hold_s`` seconds mid-study."""
+    path = h.url.removeprefix("sqlite:///")
+    study = f"lock-{uuid.uuid4().hex[:6]}"
+    proc = h.start(study)
+    while proc.poll() is None and h.phase_now(study) != "search":
+        time.sleep(0.02)  # polling for the search to start
+    locker = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        f"c = sqlite3.connect({path!r}, timeout=30, isolation_level=None)\n"
+        "c.execute('BEGIN EXCLUSIVE')\n"
+        "print('locked', flush=True)\n"
+        f"time.sleep({hold_s})  # the lock held: the fault itself\n"
+        "c.execute('COMMIT')\n")], stdout=subprocess.PIPE, text=True)
+    locker.stdout.readline()
+    h.tally.faults[kind] += 1
+    locker.wait()
+    code, line = h.finish(proc)
+    if code not in (EXIT_OK, EXIT_PAUSED):
+        h.tally.problems.append(f"{kind} {study}: exit {code}: {line}")
+    if code == EXIT_PAUSED:
+        h.resume_to_end(study)
+    h.audit([study], kind)
+
+
+def pg_restart(h: Harness, server: PrivatePostgres, *, down_s: float, kind: str) -> int:
+    """The database server stops mid-study for ``down_s`` seconds (0: a plain restart)."""
+    study = f"pg-{uuid.uuid4().hex[:6]}"
+    proc = h.start(study)
+    while proc.poll() is None and h.phase_now(study) != "search":
+        time.sleep(0.02)  # polling for the search to start
+    if down_s:
+        server.stop()
+        deadline = time.monotonic() + down_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the outage itself
+        server.start()
+    else:
+        server.restart()
+    h.tally.faults[kind] += 1
+    code, line = h.finish(proc)
+    if code not in (EXIT_OK, EXIT_PAUSED):
+        h.tally.problems.append(f"{kind} {study}: exit {code}: {line}")
+    if code == EXIT_PAUSED:
+        h.resume_to_end(study)
+    h.audit([study], kind)
+    return code
+
+
+def run(args) -> Tally:
+    tmp = Path(tempfile.mkdtemp(prefix="fleettune-faults-"))
+    server = None
+    env = {"FLEETTUNE_DB_RETRY_S": str(args.retry_s), "FLEETTUNE_SQLITE_BUSY_TIMEOUT_S": "1"}
+    try:
+        if args.db == "sqlite":
+            url = f"sqlite:///{tmp / 'faults.db'}"
+        else:
+            server = PrivatePostgres()
+            server.start()
+            url = server.new_database()
+        from orchestrator.db import open_database
+
+        open_database(url).dispose()  # the schema, before drivers race to create it
+        h = Harness(url, seed=args.seed, env=env, trials=args.trials)
+        h.kills(args.kills)
+        h.signals(args.signals)
+        h.signals(max(args.signals // 3, 1), chips=3)
+        h.two_drivers(args.races)
+        h.same_name(args.races)
+        for i in range(args.db_faults):
+            if args.db == "sqlite":
+                long_lock = i % 2 == 1
+                sqlite_lock(h, args.retry_s + 2 if long_lock else 2.0,
+                            "SQLite locked past the retry window" if long_lock else "SQLite locked past busy timeout")
+            else:
+                long_outage = i % 2 == 1
+                pg_restart(h, server, down_s=args.retry_s + 3 if long_outage else 0,
+                           kind="PostgreSQL stopped past the retry window" if long_outage else "PostgreSQL restart")
+        return h.tally
+    finally:
+        if server:
+            server.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(tally: Tally, backend: str) -> str:
+    lines = ["| fault | backend | injected | studies audited | invariants held |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for kind in sorted(set(tally.faults) | set(tally.studies)):
+        lines.append(f"| {kind} | {backend} | {tally.faults[kind]} | {tally.studies[kind]} | "
+                     f"{tally.held[kind]}/{tally.studies[kind]} |")
+    total = sum(tally.faults.values())
+    lines.append(f"\n{total} faults of {len(tally.faults)} kinds; results lost {tally.lost}, duplicated "
+                 f"{tally.duplicated}; kill instants by phase: {dict(tally.phases)}")
+    if tally.pause_s:
+        ordered = sorted(tally.pause_s)
+        lines.append(f"signal to exit: median {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
+    for problem in tally.problems:
+        lines.append(f"PROBLEM: {problem}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("drive", help="run or resume a study (the process faults are injected into)")
+    d.add_argument("--db", required=True)
+    d.add_argument("--study")
+    d.add_argument("--resume", action="store_true")
+    d.add_argument("--trials", type=int, default=24)
+    d.add_argument("--nodes", type=int, default=4)
+    d.add_argument("--trial-s", type=float, default=0.05)
+    d.add_argument("--chips", type=int, default=1)
+    d.add_argument("--sampler", default="tpe")
+    d.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("run", help="inject faults and audit")
+    r.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
+    r.add_argument("--kills", type=int, default=30)
+    r.add_argument("--signals", type=int, default=9)
+    r.add_argument("--races", type=int, default=3)
+    r.add_argument("--db-faults", type=int, default=4)
+    r.add_argument("--trials", type=int, default=24)
+    r.add_argument("--retry-s", type=float, default=4.0)
+    r.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    if args.cmd == "drive":
+        return drive(args)
+    started = time.monotonic()
+    tally = run(args)
+    print(report(tally, args.db))
+    print(f"({time.monotonic() - started:.0f} s; python bench/faults.py run --db {args.db} --kills {args.kills} "
+          f"--signals {args.signals} --races {args.races} --db-faults {args.db_faults})")
+    return 1 if tally.problems or tally.lost or tally.duplicated else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
