@@ -166,6 +166,7 @@ class Tally:
     problems: list[str] = field(default_factory=list)
     phases: Counter = field(default_factory=Counter)
     pause_s: list[float] = field(default_factory=list)
+    paused: int = 0  # signals that paused a study (the rest came after it had ended)
 
     def add(self, other: Tally) -> None:
         self.faults += other.faults
@@ -176,6 +177,7 @@ class Tally:
         self.problems += other.problems
         self.phases += other.phases
         self.pause_s += other.pause_s
+        self.paused += other.paused
 
 
 class Harness:
@@ -189,9 +191,10 @@ class Harness:
         self.tally = Tally()
 
     def start(self, study: str | None, *, resume: bool = False, chips: int | None = None,
-              extra_env: dict | None = None) -> subprocess.Popen:
+              extra_env: dict | None = None, trial_s: float | None = None) -> subprocess.Popen:
         argv = [sys.executable, str(ROOT / "bench" / "faults.py"), "drive", "--db", self.url,
-                "--trials", str(self.trials), "--nodes", str(self.nodes), "--trial-s", str(self.trial_s),
+                "--trials", str(self.trials), "--nodes", str(self.nodes),
+                "--trial-s", str(trial_s or self.trial_s),
                 "--chips", str(chips or self.chips), "--seed", str(self.rng.randrange(1 << 30))]
         if study:
             argv += ["--study", study]
@@ -306,10 +309,10 @@ class Harness:
         for i in range(count):
             sig = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)[i % 3]
             study = f"sig-{uuid.uuid4().hex[:6]}"
-            proc = self.start(study, chips=chips)
+            proc = self.start(study, chips=chips, trial_s=max(self.trial_s, 0.2))
             while proc.poll() is None and self.phase_now(study) == "setup":
                 time.sleep(0.02)  # polling for the study to exist: its signal handlers are in place
-            deadline = time.monotonic() + self.rng.uniform(0.0, 2.0)
+            deadline = time.monotonic() + self.rng.uniform(0.0, 1.0)
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # a random instant to signal at, not a synchronisation
             if proc.poll() is None:
@@ -317,6 +320,7 @@ class Harness:
                 proc.send_signal(sig)
                 code, line = self.finish(proc, timeout=60)
                 self.tally.pause_s.append(time.monotonic() - sent)
+                self.tally.paused += code == EXIT_PAUSED
                 kind = f"{sig.name}{' --all-chips' if chips > 1 else ''}"
                 # the signal's own exit is right only when it came after the studies had ended
                 if code not in (EXIT_OK, EXIT_PAUSED) and not (code == -sig and self.all_complete(study, chips)):
@@ -459,7 +463,8 @@ def report(tally: Tally, backend: str) -> str:
                  f"{tally.duplicated}; kill instants by phase: {dict(tally.phases)}")
     if tally.pause_s:
         ordered = sorted(tally.pause_s)
-        lines.append(f"signal to exit: median {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
+        lines.append(f"signals: {tally.paused} of {len(ordered)} paused a running study (the rest came as it "
+                     f"ended); signal to exit: median {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
     for problem in tally.problems:
         lines.append(f"PROBLEM: {problem}")
     return "\n".join(lines)

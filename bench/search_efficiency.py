@@ -26,6 +26,7 @@ from orchestrator.samplers import make_sampler
 from orchestrator.space import SearchSpace
 from workers import simulated
 from workers.hardware import Fingerprint
+from workers.objective import objective
 from workers.trial import BenchParams, TrialSpec, Workload
 
 MODELS = {"LLaMA-2 7B Q4_0": ("llama2-7b", "q4_0"), "Llama-3-8B Q4_K_M": ("llama3-8b", "q4_k_m")}
@@ -149,7 +150,10 @@ def _seed_scan_final(chip, shape, space, args, optimum: float) -> float:
         if not result.ok:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             continue
-        study.tell(trial, result.tg.median if args.objective == "tg" else result.pp.median)
+        target = objective(args.objective)
+        study.tell(trial, target.value(result.pp.median if result.pp else None,
+                                       result.tg.median if result.tg else None,
+                                       WORKLOAD.n_prompt, WORKLOAD.n_gen))
     best = BenchParams(**{"n_gpu_layers": study.best_params.get("ngl", 0),
                           "n_threads": study.best_params["threads"],
                           "n_batch": study.best_params["batch"], "n_ubatch": study.best_params["ubatch"]})

@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 
 import optuna
 from optuna.trial import TrialState
-from sqlalchemy import func, select
 
-from orchestrator.db import Database
-from orchestrator.db.models import Recommendation, SampleRow, Study, Trial
+from orchestrator.db import Database, repo
 
 
 @dataclass
@@ -50,16 +48,13 @@ def audit_study(db: Database, name: str, *, max_versions: int | None = 1) -> Stu
     """Check one study's invariants; ``max_versions``: how many recommendation versions the
     study's history can justify (None: do not check)."""
     with db.session() as s:
-        study = s.scalar(select(Study).where(Study.name == name))
+        study = repo.get_study(s, name)
         if study is None:
             raise LookupError(f"no study {name!r}")
         report = StudyAudit(name, study.state, study.budget)
-        rows = list(s.scalars(select(Trial).where(Trial.study_id == study.id)))
-        orphan_samples = s.scalar(
-            select(func.count()).select_from(SampleRow).join(Trial, SampleRow.trial_id == Trial.id)
-            .where(Trial.study_id == study.id, Trial.state != "complete"))
-        report.recommendation_versions = s.scalar(
-            select(func.count()).select_from(Recommendation).where(Recommendation.study_id == study.id))
+        rows = repo.study_trials(s, study.id)
+        orphan_samples = repo.samples_of_unfinished_trials(s, study.id)
+        report.recommendation_versions = repo.recommendation_versions(s, study.id)
     search = [r for r in rows if r.phase == "search"]
     report.complete = sum(r.state == "complete" for r in search)
     report.failed = sum(r.state == "failed" for r in search)

@@ -358,7 +358,7 @@ class StudyRunner:
         self.db, self.dispatcher, self.cfg, self.target = db, dispatcher, cfg, target
         self.alive_nodes = alive_nodes
         self.on_progress = on_progress or (lambda p: None)
-        self.stop = stop or StopRequest()
+        self.stop = stop if stop is not None else StopRequest()
         self.objective = cfg.target_objective
         self.direction = self.objective.direction.value
         self.baseline = llama_cpp_python_defaults(target.fingerprint)
@@ -384,6 +384,19 @@ class StudyRunner:
         cfg.validate()
         validate_params(self.baseline, fp, cfg.model)
         space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt)
+        # one transaction, retried whole when the database is busy (another driver creating a
+        # study at the same instant: SQLite refuses a stale writer, PostgreSQL may be restarting)
+        existing = retrying(lambda: self._study_rows(space))
+        self.optuna_study = self._optuna_study()
+        if existing is None and self.sampler != "grid":  # a grid covers it all
+            self._enqueue_starts()
+        self._reconcile_optuna()
+        self.storage.flush()
+
+    def _study_rows(self, space: SearchSpace):
+        """Create or take over the study's row; returns the row that existed, if one did."""
+        cfg, fp = self.cfg, self.target.fingerprint
+        self.finished_already = False
         with self.db.session() as s:
             chip = repo.upsert_chip(s, fp)  # rolled back with the rest if a check below fails
             model = repo.upsert_model(s, cfg.model, _mtime(cfg.model.path))
@@ -402,11 +415,7 @@ class StudyRunner:
                 self._resume(s, existing, chip, model)
             else:
                 self._create(s, space, chip, model)
-        self.optuna_study = self._optuna_study()
-        if existing is None and self.sampler != "grid":  # a grid covers it all
-            self._enqueue_starts()
-        self._reconcile_optuna()
-        self.storage.flush()
+        return existing
 
     def _resume(self, s, existing, chip, model) -> None:
         cfg = self.cfg
@@ -529,6 +538,7 @@ class StudyRunner:
             if confirm:
                 self._drive(FixedJobs("confirm", confirm, self.alive_nodes))
             draft, version = self._recommend()
+            self._finish()
         except KeyboardInterrupt:
             self._pause("interrupted; `fleettune tune --resume` continues")
             raise StudyPaused(f"study {self.name} paused; run the same tune command with --resume") from None
@@ -538,7 +548,6 @@ class StudyRunner:
         except StudyPaused as exc:
             self._pause(str(exc))
             raise
-        self._finish()
         return self._outcome("complete", draft, version)
 
     def _outcome(self, state, draft, version) -> StudyOutcome:
@@ -562,8 +571,9 @@ class StudyRunner:
     def _pause(self, message: str) -> None:
         """Record the pause and let go of the study; best effort when the database is away."""
         def work(s):
-            repo.set_study_state(s, self.study_id, "paused", message)
-            repo.release_lease(s, self.study_id, self.owner)
+            if repo.renew_lease(s, self.study_id, self.owner):  # not when another driver took over
+                repo.set_study_state(s, self.study_id, "paused", message)
+                repo.release_lease(s, self.study_id, self.owner)
 
         try:
             retrying(lambda: self._in_session(work), window_s=5.0)
@@ -575,7 +585,7 @@ class StudyRunner:
             repo.set_study_state(s, self.study_id, "complete", None)
             repo.release_lease(s, self.study_id, self.owner)
 
-        retrying(lambda: self._in_session(work))
+        self._transaction(work)
 
     def _in_session(self, work):
         with self.db.session() as s:

@@ -109,7 +109,7 @@ def tune_all_chips(
     if cfg.name:
         raise BadInput("--study names one study; with --all-chips the names are chosen per chip")
     cfg.validate()
-    stop = stop or StopRequest()
+    stop = stop if stop is not None else StopRequest()
     with pause_on_signals(stop), \
             dispatch.connected(address, local_chip_key=None if address else fingerprint_live().chip_key):
         infos = dispatch.describe_nodes(dispatch.bench_nodes())
@@ -169,7 +169,7 @@ def tune(
     SIGINT, SIGTERM and SIGHUP pause the study (``StudyPaused``, exit 3)."""
     cfg.validate()
     local_key = None if address else fingerprint_live().chip_key
-    stop = stop or StopRequest()
+    stop = stop if stop is not None else StopRequest()
     with pause_on_signals(stop), dispatch.connected(address, local_chip_key=local_key):
         nodes = dispatch.bench_nodes(chip_key)
         if not nodes and chip_key:

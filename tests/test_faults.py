@@ -65,13 +65,13 @@ def test_sigkill_of_the_driver_at_random_moments_then_resume(harness):
 @pytest.mark.parametrize("chips", [1, 3])
 def test_signals_pause_every_study_within_seconds(harness, chips):
     harness.signals(3, chips=chips)  # SIGINT, SIGTERM, SIGHUP
-    assert sum(harness.tally.faults.values()) >= 2  # a study may finish before its instant
-    assert harness.tally.pause_s and max(harness.tally.pause_s) < 10
+    assert harness.tally.paused >= 2  # a study may end before its signal, not most of them
+    assert max(harness.tally.pause_s) < 10
     assert_clean(harness)
 
 
 def test_a_signalled_driver_exits_paused_and_resume_completes(tmp_path):
-    h = Harness(f"sqlite:///{tmp_path / 'f.db'}", env=RETRY_ENV, trials=40, trial_s=0.2)
+    h = Harness(f"sqlite:///{tmp_path / 'f.db'}", env=RETRY_ENV, trials=200, trial_s=0.2)
     open_database(h.url).dispose()
     proc = h.start("paused")
     while proc.poll() is None and h.phase_now("paused") != "search":
@@ -81,7 +81,7 @@ def test_a_signalled_driver_exits_paused_and_resume_completes(tmp_path):
     assert code == EXIT_PAUSED and "--resume" in line
     db = open_database(h.url)
     report = audit_study(db, "paused")
-    assert report.state == "paused" and report.ok and report.complete < 40
+    assert report.state == "paused" and report.ok and report.complete < 200
     h.resume_to_end("paused")
     assert audit_study(db, "paused").ok
 

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from orchestrator import dispatch, fleet
+from orchestrator.audit import audit_study
 from orchestrator.cli import main
 from orchestrator.db import open_database, repo
 from orchestrator.studies import StudyConfig, StudyPaused
@@ -116,6 +117,8 @@ def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, f
     assert errors == ["node lost"], errors
     assert outcome["o"].n_complete == 4  # the budget completed on the remaining node
 
+    assert audit_study(db, runner.name).ok
+
     cluster.remove_node(doomed[0], allow_graceful=False)  # no node of the chip is left
     wait_until(lambda: not dispatch.bench_nodes(key), timeout=60)
     again = _runner(db, StudyConfig(model=sim_model_info(SIM_MODEL), workload=WORKLOAD, n_trials=2),
@@ -124,6 +127,38 @@ def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, f
     again.prepare()
     with pytest.raises(StudyPaused, match="no node of chip"):
         again.run()
+    report = audit_study(db, again.name)
+    assert report.state == "paused" and report.ok, report.problems  # resumable, nothing running
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_pauses_every_study_of_all_chips_and_resume_completes(sqlite_url, fleet_cluster, sig):
+    args = [sys.executable, "-m", "orchestrator.cli", "tune", SIM_MODEL, "--all-chips", "--trials", "30",
+            "--address", fleet_cluster["address"], "--db", sqlite_url, "--prompt-tokens", "512",
+            "--gen-tokens", "128", "-r", "3", "--quiet", "--seed", "4", "--no-warm-start"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **fleet_cluster["env"]})
+    db = open_database(sqlite_url)
+
+    def searching() -> list[str]:  # every study (one per simulated chip) has a search result
+        with db.session() as s:
+            counts = {st.name: sum(t.state == "complete" for t in repo.study_trials(s, st.id, "search"))
+                      for st in repo.list_studies(s)}
+        return list(counts) if len(counts) >= 2 and all(counts.values()) else []
+
+    names = wait_until(searching, timeout=180)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err  # paused, every one of them
+    assert err.strip().startswith("paused:") and err.count("\n") <= 1
+    for name in names:
+        report = audit_study(db, name)
+        assert report.state == "paused" and report.ok, report.problems
+    run_cli("tune", SIM_MODEL, "--all-chips", "--resume", "--address", fleet_cluster["address"], "--db",
+            sqlite_url, "--prompt-tokens", "512", "--gen-tokens", "128", "--quiet", "--no-warm-start")
+    for name in names:
+        report = audit_study(db, name)
+        assert report.state == "complete" and report.complete == 30 and report.ok, report.problems
 
 
 def test_killed_driver_resumes_without_duplicates(db_url, fleet_cluster, tmp_path):

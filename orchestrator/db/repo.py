@@ -159,6 +159,25 @@ def latest_study(
     )
 
 
+def list_studies(session: Session, state: str | None = None) -> list[Study]:
+    query = select(Study).options(joinedload(Study.chip), joinedload(Study.model)).order_by(Study.id)
+    if state:
+        query = query.where(Study.state == state)
+    return list(session.scalars(query))
+
+
+def samples_of_unfinished_trials(session: Session, study_id: int) -> int:
+    """Samples whose trial is not complete (there should be none: a sample comes with its result)."""
+    return session.scalar(
+        select(func.count()).select_from(SampleRow).join(Trial, SampleRow.trial_id == Trial.id)
+        .where(Trial.study_id == study_id, Trial.state != "complete"))
+
+
+def recommendation_versions(session: Session, study_id: int) -> int:
+    return session.scalar(select(func.count()).select_from(Recommendation)
+                          .where(Recommendation.study_id == study_id))
+
+
 def add_study(session: Session, **fields) -> Study:
     study = Study(**fields)
     session.add(study)
