@@ -416,6 +416,72 @@ def pg_restart(h: Harness, server: PrivatePostgres, *, down_s: float, kind: str)
     return code
 
 
+def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
+    """Nodes of a real Ray cluster removed mid-trial, one after another until none of the chip is
+    left: each loss fails its trial "node lost" and it runs again elsewhere; with no node left the
+    study pauses; new nodes join and ``--resume`` completes it."""
+    import threading
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator import dispatch
+    from orchestrator.db import open_database
+    from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
+    from workers import simulated
+    from workers.join import plan_join
+    from workers.trial import Workload
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": {
+        "health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}})
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    plan = plan_join("M1 Pro/16", "calibrated", time_scale=0.05)
+    key = plan.fingerprint.chip_key
+    db = open_database(h.url)
+    removed = 0
+    try:
+        while removed < count:
+            study = f"nodes-{uuid.uuid4().hex[:6]}"
+            for attempt in range(2):  # the fault round, then the resume on fresh nodes
+                nodes = [cluster.add_node(num_cpus=0, resources=plan.resources, labels=plan.labels)
+                         for _ in range(per_round)]
+                cluster.wait_for_nodes()
+                cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
+                                  n_trials=h.trials, sampler="tpe", seed=h.rng.randrange(1000), confirm_top=2,
+                                  name=study, resume=attempt > 0)
+                runner = StudyRunner(db, dispatch.Dispatcher(), cfg, ChipTarget(plan.fingerprint, {}, True),
+                                     alive_nodes=dispatch.ChipNodes(key, ttl_s=0))
+                runner.no_node_grace_s = 3.0
+                runner.prepare()
+                outcome: dict = {}
+
+                def run(r=runner, out=outcome) -> None:
+                    try:
+                        out["done"] = r.run()
+                    except StudyPaused as exc:
+                        out["paused"] = exc
+
+                thread = threading.Thread(target=run)
+                thread.start()
+                if attempt == 0:
+                    for node in nodes:  # each removed while the study runs on it
+                        time.sleep(h.rng.uniform(0.3, 1.2))  # a random instant, not a synchronisation
+                        cluster.remove_node(node, allow_graceful=False)
+                        removed += 1
+                        h.tally.faults["Ray node removed mid-study"] += 1
+                thread.join(timeout=300)
+                if attempt == 1:
+                    for node in nodes:
+                        cluster.remove_node(node)
+                if "done" in outcome:
+                    break
+            h.audit([study], "Ray node removed mid-study")
+    finally:
+        db.dispose()
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def run(args) -> Tally:
     tmp = Path(tempfile.mkdtemp(prefix="fleettune-faults-"))
     server = None
@@ -436,6 +502,8 @@ def run(args) -> Tally:
         h.signals(max(args.signals // 3, 1), chips=3)
         h.two_drivers(args.races)
         h.same_name(args.races)
+        if args.node_losses:
+            node_losses(h, args.node_losses)
         for i in range(args.db_faults):
             if args.db == "sqlite":
                 long_lock = i % 2 == 1
@@ -489,6 +557,7 @@ def main() -> int:
     r.add_argument("--signals", type=int, default=9)
     r.add_argument("--races", type=int, default=3)
     r.add_argument("--db-faults", type=int, default=4)
+    r.add_argument("--node-losses", type=int, default=6, help="Ray nodes removed mid-study (a real cluster)")
     r.add_argument("--trials", type=int, default=24)
     r.add_argument("--retry-s", type=float, default=4.0)
     r.add_argument("--seed", type=int, default=1)
@@ -499,7 +568,8 @@ def main() -> int:
     tally = run(args)
     print(report(tally, args.db))
     print(f"({time.monotonic() - started:.0f} s; python bench/faults.py run --db {args.db} --kills {args.kills} "
-          f"--signals {args.signals} --races {args.races} --db-faults {args.db_faults})")
+          f"--signals {args.signals} --races {args.races} --db-faults {args.db_faults} "
+          f"--node-losses {args.node_losses})")
     return 1 if tally.problems or tally.lost or tally.duplicated else 0
 
 

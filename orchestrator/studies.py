@@ -450,13 +450,7 @@ class StudyRunner:
             simulated=self.target.simulated, lease_owner=self.owner, lease_heartbeat=repo.utcnow(),
         )
         if cfg.name:
-            from sqlalchemy.exc import IntegrityError
-
-            try:
-                with s.begin_nested():
-                    study = repo.add_study(s, name=cfg.name, **fields)
-            except IntegrityError:  # created by another driver since we looked
-                raise BadInput(f"study {cfg.name!r} already exists; pass --resume to continue it") from None
+            study = repo.add_named_study(s, cfg.name, **fields)
         else:
             base = default_study_name(self.target.key, cfg.model, self.objective, cfg.workload)
             study = repo.add_study_free_name(s, base, **fields)

@@ -185,6 +185,16 @@ def add_study(session: Session, **fields) -> Study:
     return study
 
 
+def add_named_study(session: Session, name: str, **fields) -> Study:
+    """A new study called ``name``; BadInput when it exists, also when another driver created it
+    since the caller looked."""
+    try:
+        with session.begin_nested():
+            return add_study(session, name=name, **fields)
+    except IntegrityError:
+        raise BadInput(f"study {name!r} already exists; pass --resume to continue it") from None
+
+
 def add_study_free_name(session: Session, base: str, **fields) -> Study:
     """A new study named ``base`` (or ``base#2``, ...), safe against another driver creating a study
     of the same name at the same instant: a name taken meanwhile is retried with the next one."""
