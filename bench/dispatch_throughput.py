@@ -53,7 +53,7 @@ WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=1)
 class VirtualFleet:
     """A Dispatcher over N in-process nodes of one chip: each trial holds its node ``trial_s`` s."""
 
-    def __init__(self, chip: simulated.ChipSpec, n_nodes: int, trial_s: float, prefix: str = "virtual",
+    def __init__(self, chip: Fingerprint, n_nodes: int, trial_s: float, prefix: str = "virtual",
                  scenario: str = "calibrated", seed: int = 1) -> None:
         self.trial_s = trial_s
         self.nodes = [f"{prefix}-{i:03d}" for i in range(n_nodes)]
@@ -147,7 +147,7 @@ def db_url(kind: str, tmp: str) -> str:
     return admin.rsplit("/", 1)[0] + f"/{name}"
 
 
-def fleet_chips(n_chips: int) -> list[simulated.ChipSpec]:
+def fleet_chips(n_chips: int) -> list[Fingerprint]:
     """``n_chips`` different chips from the calibrated table, spread over its families."""
     chips = simulated.all_chips()
     if n_chips == 1:
@@ -156,7 +156,7 @@ def fleet_chips(n_chips: int) -> list[simulated.ChipSpec]:
     return [chips[int(i * step)] for i in range(n_chips)]
 
 
-def pick_quality(runner: StudyRunner, chip: simulated.ChipSpec, scenario: str) -> float:
+def pick_quality(runner: StudyRunner, chip: Fingerprint, scenario: str) -> float:
     """The true (noiseless) speed of the study's best observed configuration over the optimum's."""
     from orchestrator.db import repo
     from workers.trial import BenchParams
@@ -182,7 +182,7 @@ def run_virtual(args) -> dict:
     for i, chip in enumerate(chips):
         fleet = VirtualFleet(chip, args.nodes // len(chips), args.trial_s, prefix=f"chip{i}",
                              scenario=args.scenario, seed=args.seed)
-        target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
+        target = ChipTarget(chip, {}, simulated=True)
         cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
                           sampler=args.sampler, seed=args.seed, confirm_top=1)
         runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive)

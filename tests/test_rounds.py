@@ -17,7 +17,6 @@ from orchestrator.db import open_database, repo
 from orchestrator.samplers import RoundTPESampler
 from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
 from workers import simulated
-from workers.hardware import Fingerprint
 from workers.trial import Workload
 
 CHIP = simulated.parse_chip("M2 Ultra/76")
@@ -64,7 +63,7 @@ class InstantFleet:
 
 
 def runner(url: str, fleet: InstantFleet, on_progress=None, **cfg) -> StudyRunner:
-    target = ChipTarget(Fingerprint.from_dict(CHIP.fingerprint()), {}, simulated=True)
+    target = ChipTarget(CHIP, {}, simulated=True)
     config = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
                          **{"n_trials": 120, "sampler": "tpe", "seed": 5, "confirm_top": 1, **cfg})
     return StudyRunner(open_database(url), fleet, config, target, alive_nodes=fleet.alive,

@@ -33,10 +33,10 @@ def test_a_chip_family_never_measured_gets_a_configuration_within_10_percent(hel
     examples = []
     for chip in known:
         params, _, value = simulated.optimum(chip, shape, "tg")
-        examples.append(Example(chip.chip_key, schedules.features(chip, model), params, value))
+        examples.append(Example(chip.chip_key, chip, model, params, value))
     predictor = ConfigPredictor(examples)
     for chip in (c for c in chips if c.family == held_out):
-        pred = predictor.predict(schedules.features(chip, model))
+        pred = predictor.predict(chip, model)
         _, _, best = simulated.optimum(chip, shape, "tg")
         achieved = simulated.predict(chip, shape, pred.params, 512, 128).tg_tps
         assert achieved >= 0.9 * best, (chip.label, pred.params)

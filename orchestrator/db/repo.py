@@ -49,6 +49,16 @@ def upsert_chip(session: Session, fp: Fingerprint) -> Chip:
     return chip
 
 
+def fingerprint_of_chip(row: Chip) -> Fingerprint:
+    """A chip row as the hardware record (what its nodes share; no node's OS)."""
+    return Fingerprint(
+        chip=row.name, chip_key=row.key, vendor=row.vendor, p_cores=row.p_cores, e_cores=row.e_cores,
+        logical_cores=row.logical_cores, gpu_cores=row.gpu_cores, gpu_name=row.gpu_name,
+        gpu_memory_bytes=None, memory_bytes=row.memory_bytes, bandwidth_gbs=row.bandwidth_gbs, os=None,
+        backend=row.backend, gpu_offload=row.backend != "cpu",
+    )
+
+
 def upsert_node(
     session: Session,
     *,
