@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.orm import Session, joinedload
@@ -23,6 +24,9 @@ from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
 from workers.trial import TrialResult
+
+if TYPE_CHECKING:  # learn is the head's logic, not a dependency of the database layer
+    from orchestrator.learn import RecommendationDraft
 
 
 def _ts(value: float | None) -> datetime | None:
@@ -323,7 +327,47 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
     return list(session.scalars(query).unique())
 
 
-def add_recommendation(session: Session, **fields) -> Recommendation:
+@dataclass(frozen=True)
+class NewRecommendation:
+    """A recommendation to store: what was learnt for (chip, model, objective, workload)."""
+
+    chip_id: int
+    model_id: int
+    study_id: int | None
+    objective: str
+    n_prompt: int
+    n_gen: int
+    params: dict
+    expected_tps: float
+    interval_low: float
+    interval_high: float
+    expected_pp_tps: float | None
+    expected_tg_tps: float | None
+    baseline_tps: float | None
+    improvement: float | None
+    evidence: list[int]
+    simulated: bool
+    source: str = "study"
+
+    @classmethod
+    def of_draft(cls, draft: RecommendationDraft, *, chip_id: int, model_id: int, study_id: int | None,
+                 objective: str, n_prompt: int, n_gen: int, source: str = "study") -> NewRecommendation:
+        """What ``learn.recommend`` drafted, for the study (or chip and model) it was drafted for."""
+        return cls(
+            chip_id=chip_id, model_id=model_id, study_id=study_id, objective=objective,
+            n_prompt=n_prompt, n_gen=n_gen, params=draft.params.to_dict(),
+            expected_tps=draft.expected_tps, interval_low=draft.interval_low,
+            interval_high=draft.interval_high, expected_pp_tps=draft.expected_pp_tps,
+            expected_tg_tps=draft.expected_tg_tps, baseline_tps=draft.baseline_tps,
+            improvement=draft.improvement, evidence=draft.evidence, simulated=draft.simulated,
+            source=source,
+        )
+
+
+def add_recommendation(session: Session, new: NewRecommendation | None = None, **fields) -> Recommendation:
+    """Store the next version of a recommendation (``new``; keyword fields are the older form)."""
+    if new is not None:
+        fields = asdict(new)
     version = (
         session.scalar(
             select(func.max(Recommendation.version)).where(
