@@ -135,9 +135,8 @@ def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_c
     with db.session() as s:
         study = repo.completed_studies(s)[0]
         draft = learn.recommend(schedules.study_records(s, study.id), study.objective, 64, 16)
-        new = repo.NewRecommendation.of_draft(draft, chip_id=study.chip_id, model_id=study.model_id,
-                                              study_id=study.id, objective="tg", n_prompt=64, n_gen=16,
-                                              source="learn")
+        new = repo.NewRecommendation(chip_id=study.chip_id, model_id=study.model_id, study_id=study.id,
+                                     objective="tg", n_prompt=64, n_gen=16, draft=draft, source="learn")
         [first] = repo.latest_recommendations(s, [study.model_id], chip.chip_key, "tg")
         typed = repo.add_recommendation(s, new)
         assert (first.version, typed.version) == (1, 2)

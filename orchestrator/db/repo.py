@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -329,7 +329,8 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
 
 @dataclass(frozen=True)
 class NewRecommendation:
-    """A recommendation to store: what was learnt for (chip, model, objective, workload)."""
+    """A recommendation to store: what ``learn.recommend`` drafted for (chip, model, objective,
+    workload), and the study it came from."""
 
     chip_id: int
     model_id: int
@@ -337,37 +338,26 @@ class NewRecommendation:
     objective: str
     n_prompt: int
     n_gen: int
-    params: dict
-    expected_tps: float
-    interval_low: float
-    interval_high: float
-    expected_pp_tps: float | None
-    expected_tg_tps: float | None
-    baseline_tps: float | None
-    improvement: float | None
-    evidence: list[int]
-    simulated: bool
+    draft: RecommendationDraft
     source: str = "study"
 
-    @classmethod
-    def of_draft(cls, draft: RecommendationDraft, *, chip_id: int, model_id: int, study_id: int | None,
-                 objective: str, n_prompt: int, n_gen: int, source: str = "study") -> NewRecommendation:
-        """What ``learn.recommend`` drafted, for the study (or chip and model) it was drafted for."""
-        return cls(
-            chip_id=chip_id, model_id=model_id, study_id=study_id, objective=objective,
-            n_prompt=n_prompt, n_gen=n_gen, params=draft.params.to_dict(),
-            expected_tps=draft.expected_tps, interval_low=draft.interval_low,
-            interval_high=draft.interval_high, expected_pp_tps=draft.expected_pp_tps,
-            expected_tg_tps=draft.expected_tg_tps, baseline_tps=draft.baseline_tps,
-            improvement=draft.improvement, evidence=draft.evidence, simulated=draft.simulated,
-            source=source,
-        )
+    def columns(self) -> dict:
+        d = self.draft
+        return {
+            "chip_id": self.chip_id, "model_id": self.model_id, "study_id": self.study_id,
+            "objective": self.objective, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "params": d.params.to_dict(), "expected_tps": d.expected_tps, "interval_low": d.interval_low,
+            "interval_high": d.interval_high, "expected_pp_tps": d.expected_pp_tps,
+            "expected_tg_tps": d.expected_tg_tps, "baseline_tps": d.baseline_tps,
+            "improvement": d.improvement, "evidence": d.evidence, "simulated": d.simulated,
+            "source": self.source,
+        }
 
 
 def add_recommendation(session: Session, new: NewRecommendation | None = None, **fields) -> Recommendation:
     """Store the next version of a recommendation (``new``; keyword fields are the older form)."""
     if new is not None:
-        fields = asdict(new)
+        fields = new.columns()
     version = (
         session.scalar(
             select(func.max(Recommendation.version)).where(
