@@ -27,13 +27,13 @@ confirmation). The head's time per trial = the process's CPU seconds / trials. R
 from __future__ import annotations
 
 import argparse
-import heapq
 import os
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,65 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator import studies  # noqa: E402
 from orchestrator.db import open_database  # noqa: E402
 from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner  # noqa: E402
+from orchestrator.virtual import VirtualFleet  # noqa: E402
 from workers import simulated  # noqa: E402
 from workers.hardware import Fingerprint  # noqa: E402
-from workers.trial import TrialResult, TrialSpec, Workload  # noqa: E402
+from workers.trial import Workload  # noqa: E402
 
 CHIP = "M2 Ultra/76"
 MODEL = "sim://llama2-7b/q4_0"
 WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=1)
-
-
-class VirtualFleet:
-    """A Dispatcher over N in-process nodes of one chip: each trial holds its node ``trial_s`` s."""
-
-    def __init__(self, chip: simulated.ChipSpec, n_nodes: int, trial_s: float, prefix: str = "virtual",
-                 scenario: str = "calibrated", seed: int = 1) -> None:
-        self.trial_s = trial_s
-        self.nodes = [f"{prefix}-{i:03d}" for i in range(n_nodes)]
-        self.free = list(self.nodes)
-        self.node = simulated.SimulatedNode(chip, seed=seed, time_scale=0.0, scenario=scenario)
-        self.finish: list[tuple[float, int]] = []  # (finish time, ref)
-        self.specs: dict[int, tuple[TrialSpec, str, float]] = {}
-        self.spans: list[tuple[str, float, float]] = []  # (phase, started, ended) on its node
-        self._next = 0
-
-    def submit(self, spec: TrialSpec, chip_key, node_id=None):
-        if node_id in self.free:  # pinned to a free node: that one, else any free node
-            self.free.remove(node_id)
-            node = node_id
-        else:
-            node = self.free.pop()
-        now = time.monotonic()
-        ref, self._next = self._next, self._next + 1
-        heapq.heappush(self.finish, (now + self.trial_s, ref))
-        self.specs[ref] = (spec, node, now)
-        return ref
-
-    def wait(self, refs: list, timeout_s: float) -> list:
-        if not self.finish:
-            return []
-        delay = self.finish[0][0] - time.monotonic()
-        if delay > 0:
-            time.sleep(min(delay, timeout_s))
-        done, now = [], time.monotonic()
-        while self.finish and self.finish[0][0] <= now:
-            done.append(heapq.heappop(self.finish)[1])
-        return done
-
-    def result(self, ref, trial_key: str) -> TrialResult:
-        spec, node, started = self.specs.pop(ref)
-        self.free.append(node)
-        self.spans.append((trial_key.split("-")[0], started, started + self.trial_s))
-        result = self.node.measure(spec)
-        result.node_id = node
-        return result
-
-    def cancel(self, ref) -> None:
-        self.specs.pop(ref, None)
-
-    def alive(self) -> list[str]:
-        return self.nodes
 
 
 def utilisation(spans: list[tuple[str, float, float]], n_nodes: int, phase: str | None = None,
@@ -147,7 +96,7 @@ def db_url(kind: str, tmp: str) -> str:
     return admin.rsplit("/", 1)[0] + f"/{name}"
 
 
-def fleet_chips(n_chips: int) -> list[simulated.ChipSpec]:
+def fleet_chips(n_chips: int) -> list[Fingerprint]:
     """``n_chips`` different chips from the calibrated table, spread over its families."""
     chips = simulated.all_chips()
     if n_chips == 1:
@@ -156,7 +105,7 @@ def fleet_chips(n_chips: int) -> list[simulated.ChipSpec]:
     return [chips[int(i * step)] for i in range(n_chips)]
 
 
-def pick_quality(runner: StudyRunner, chip: simulated.ChipSpec, scenario: str) -> float:
+def pick_quality(runner: StudyRunner, chip: Fingerprint, scenario: str) -> float:
     """The true (noiseless) speed of the study's best observed configuration over the optimum's."""
     from orchestrator.db import repo
     from workers.trial import BenchParams
@@ -182,10 +131,10 @@ def run_virtual(args) -> dict:
     for i, chip in enumerate(chips):
         fleet = VirtualFleet(chip, args.nodes // len(chips), args.trial_s, prefix=f"chip{i}",
                              scenario=args.scenario, seed=args.seed)
-        target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
+        target = ChipTarget(chip, {}, simulated=True)
         cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
                           sampler=args.sampler, seed=args.seed, confirm_top=1)
-        runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive)
+        runner = StudyRunner(db, fleet, cfg, target, alive_nodes=partial(fleet.alive_nodes, chip.chip_key))
         runner.prepare()
         runners.append((runner, fleet))
     cpu, start = time.process_time(), time.monotonic()
@@ -224,7 +173,8 @@ def run_ray(args) -> dict:
     cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=WORKLOAD, n_trials=args.trials,
                       sampler=args.sampler, seed=1, confirm_top=1)
     dispatch.describe_nodes(dispatch.bench_nodes(key))  # as `tune` does first: every node's worker started
-    runner = StudyRunner(db, dispatch.Dispatcher(), cfg, target, alive_nodes=dispatch.ChipNodes(key))
+    dispatcher = dispatch.RayDispatcher()
+    runner = StudyRunner(db, dispatcher, cfg, target, alive_nodes=partial(dispatcher.alive_nodes, key))
     runner.prepare()
     cpu, start = time.process_time(), time.monotonic()
     runner.run()

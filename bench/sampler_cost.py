@@ -23,7 +23,6 @@ import optuna  # noqa: E402
 from orchestrator.samplers import make_sampler  # noqa: E402
 from orchestrator.space import SearchSpace  # noqa: E402
 from workers import simulated  # noqa: E402
-from workers.hardware import Fingerprint  # noqa: E402
 
 CHIP = simulated.parse_chip("M2 Ultra/76")
 SHAPE = simulated.model_shape("llama2-7b", "q4_0")
@@ -31,8 +30,7 @@ SHAPE = simulated.model_shape("llama2-7b", "q4_0")
 
 def cost(name: str, trials: int, running: int, every: int) -> list[tuple[int, float]]:
     """(trials so far, ms per proposal over the last block) for one sampler."""
-    fingerprint = Fingerprint.from_dict(CHIP.fingerprint())
-    space = SearchSpace.for_target(fingerprint, simulated.sim_model_info("sim://llama2-7b/q4_0"), 512)
+    space = SearchSpace.for_target(CHIP, simulated.sim_model_info("sim://llama2-7b/q4_0"), 512)
     study = optuna.create_study(direction="maximize",
                                 sampler=make_sampler(name, space, trials, "maximize", seed=1))
     inflight, out, spent = [], [], 0.0

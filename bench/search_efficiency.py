@@ -25,7 +25,6 @@ from orchestrator.learn import DIRECTIONS
 from orchestrator.samplers import make_sampler
 from orchestrator.space import SearchSpace
 from workers import simulated
-from workers.hardware import Fingerprint
 from workers.objective import objective
 from workers.trial import BenchParams, TrialSpec, Workload
 
@@ -45,9 +44,8 @@ def true_value(chip, shape, params: BenchParams, objective: str, scenario: str) 
 
 
 def space_for(chip, shape) -> SearchSpace:
-    fp = Fingerprint.from_dict(chip.fingerprint())
     info = simulated.sim_model_info(f"sim://{shape.name}/{shape.quant}")
-    return SearchSpace.for_target(fp, info, WORKLOAD.n_prompt)
+    return SearchSpace.for_target(chip, info, WORKLOAD.n_prompt)
 
 
 def grid_optimum(chip, shape, space: SearchSpace, objective: str, scenario: str) -> float:

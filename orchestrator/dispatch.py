@@ -1,9 +1,13 @@
-"""Ray: connect, find bench nodes by chip label, run trials one per node at a time.
+"""Dispatch: the ``Dispatcher`` protocol the study loop runs trials through, and its Ray
+implementation (connect, find bench nodes by chip label, run trials one per node at a time).
 
 Every worker node offers one unit of the custom resource ``fleettune_bench`` and a label
 ``fleettune.io/chip=<chip_key>``. A trial asks for one unit and selects its chip's label, so it
 runs only on a node of that chip and never beside another benchmark. Trials are never retried by
 Ray (``max_retries=0``): a lost node is a failed trial the study decides about.
+
+The other implementation is ``orchestrator.virtual.VirtualFleet``: simulated nodes in this process
+(the tests' and benchmarks' fleet).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
+from typing import Protocol
 
 from workers import agent
 from workers.agent import NodeInfo
@@ -21,8 +27,65 @@ from workers.errors import BadInput
 from workers.join import BENCH_RESOURCE, CHIP_LABEL
 from workers.trial import FailureKind, TrialResult, TrialSpec
 
-__all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "connect"]
+__all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "RayDispatcher", "connect", "on_node"]
 CONNECT_TIMEOUT_S = 5.0
+
+
+class Dispatcher(Protocol):
+    """What the study loop needs from a fleet: run a trial on a node of a chip, and hear back.
+
+    Ownership: a submitted trial belongs to the caller from ``submit`` until it has called
+    ``result`` or ``cancel`` for it. Until then the dispatcher keeps the trial's node for it alone
+    (one trial per node), never retries it, and never drops it: a trial whose node is lost still
+    finishes, as a failed result ("node lost"). Every call returns within its timeout; none
+    blocks forever.
+    """
+
+    def submit(self, spec: TrialSpec, chip_key: str | None, node_id: str | None = None) -> Hashable:
+        """Start ``spec`` on an idle node of ``chip_key`` (on exactly ``node_id`` when given; the
+        caller picks one that is alive) and return a ref for it at once. The caller submits at
+        most as many trials as ``alive_nodes`` lists."""
+        ...
+
+    def wait(self, refs: list, timeout_s: float) -> list:
+        """The refs among ``refs`` whose trials have finished and are not collected yet; waits up
+        to ``timeout_s`` for the first (0: a poll that never blocks), then returns at once."""
+        ...
+
+    def result(self, ref: Hashable, trial_key: str) -> TrialResult:
+        """Collect a finished trial's result (once per ref; the ref is forgotten afterwards). A
+        lost node, a crashed worker or a cancelled trial is a failed result with that reason,
+        never an exception."""
+        ...
+
+    def cancel(self, ref: Hashable) -> None:
+        """Stop a trial and forget its ref (its result is never collected); its node is free
+        again. A ref already collected or cancelled is ignored."""
+        ...
+
+    def alive_nodes(self, chip_key: str) -> list[str]:
+        """The ids of the chip's live nodes: how many trials may run at once, and which a pinned
+        trial may name. May lag the fleet by a moment; a node lost meanwhile fails its trial."""
+        ...
+
+
+@cache
+def _remote(func: Callable):
+    """``func`` as a Ray remote function, made once per process (Ray exports it to each job)."""
+    import ray
+
+    return ray.remote(func)
+
+
+def on_node(func: Callable, node_id: str | None = None, **options):
+    """``func`` as a Ray task that takes no CPU slot and is never retried (a lost node is the
+    caller's to decide about), pinned to exactly ``node_id`` when given: ``on_node(f, id).remote()``."""
+    options = {"num_cpus": 0, "max_retries": 0, **options}
+    if node_id:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return _remote(func).options(**options)
 
 
 @dataclass(frozen=True)
@@ -159,17 +222,8 @@ class ChipNodes:
 def describe_nodes(nodes: list[BenchNode], timeout_s: float = 120) -> list[NodeInfo]:
     """Ask each node to fingerprint itself (pinned to that node, not using its bench slot)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(agent.node_info)
-    refs = [
-        task.options(
-            num_cpus=0,
-            max_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_node_id, soft=False),
-        ).remote()
-        for node in nodes
-    ]
+    refs = [on_node(agent.node_info, node.ray_node_id).remote() for node in nodes]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     infos = []
     for ref in ready:
@@ -180,31 +234,26 @@ def describe_nodes(nodes: list[BenchNode], timeout_s: float = 120) -> list[NodeI
     return infos
 
 
-class Dispatcher:
-    """Submits trials to a chip's nodes and waits for them with timeouts (never forever)."""
+class RayDispatcher:
+    """The ``Dispatcher`` over a Ray cluster: a trial holds its node's one bench slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes_ttl_s: float = 1.0) -> None:
         import ray
 
         self._ray = ray
-        self._task = ray.remote(agent.run_trial)
+        self._nodes_ttl_s = nodes_ttl_s
+        self._nodes: dict[str, ChipNodes] = {}
 
     def submit(self, spec: TrialSpec, chip_key: str | None, node_id: str | None = None):
         """Run a trial on a node of ``chip_key`` (or on exactly ``node_id``), holding its slot."""
         options: dict = {
-            "num_cpus": 0,
             "resources": {BENCH_RESOURCE: 1},
-            "max_retries": 0,
             "retry_exceptions": False,
             "name": f"fleettune-trial {spec.trial_key}",
         }
         if chip_key:
             options["label_selector"] = {CHIP_LABEL: chip_key}
-        if node_id:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        return self._task.options(**options).remote(spec)
+        return on_node(agent.run_trial, node_id, **options).remote(spec)
 
     def wait(self, refs: list, timeout_s: float) -> list:
         """The refs among ``refs`` that finished within ``timeout_s``."""
@@ -234,6 +283,12 @@ class Dispatcher:
     def cancel(self, ref) -> None:
         self._ray.cancel(ref, force=True)
 
+    def alive_nodes(self, chip_key: str) -> list[str]:
+        """The chip's live bench nodes, asked of Ray at most once every ``nodes_ttl_s`` seconds."""
+        if chip_key not in self._nodes:
+            self._nodes[chip_key] = ChipNodes(chip_key, self._nodes_ttl_s)
+        return self._nodes[chip_key]()
+
 
 PUSH_CHUNK = 64 << 20
 
@@ -241,13 +296,9 @@ PUSH_CHUNK = 64 << 20
 def push_model(path: str, sha256: str, nodes: list[BenchNode]) -> dict[str, str]:
     """Copy a model to every node that lacks it, sha256-checked; returns node id -> outcome."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     def on(node: BenchNode, func):
-        return ray.remote(func).options(
-            num_cpus=0, max_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_node_id, soft=False),
-        )
+        return on_node(func, node.ray_node_id)
 
     outcome = {}
     for node in nodes:

@@ -88,7 +88,7 @@ class Applier:
 
         self._ray = ray
         self._apply = ray.remote(agent.apply_config)
-        self.dispatcher = dispatch.Dispatcher()
+        self.dispatcher = dispatch.RayDispatcher()
 
     def apply(self, node_id: str, payload: dict | None, timeout_s: float = 60) -> dict | None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -111,6 +111,18 @@ class SeedScanSampler(BaseSampler):
         return self._fallback.sample_independent(study, trial, param_name, param_distribution)
 
 
+# Optuna's private TPE internals RoundTPESampler relies on (tests/test_optuna_private.py checks them
+# against the installed Optuna; pyproject pins the versions they hold on). Overridden methods: their
+# exact parameters. Called methods: the positional parameters passed. Attributes read.
+TPE_OVERRIDES = {
+    "_sample": ("self", "study", "trial", "search_space"),
+    "_build_parzen_estimator": ("self", "study", "search_space", "trials", "handle_below"),
+}
+TPE_CALLS = {"_compute_acquisition_func": ("self", "samples", "mpe_below", "mpe_above")}
+TPE_ATTRIBUTES = ("_n_ei_candidates", "_rng")  # _rng.rng: a numpy RandomState
+PARZEN_CALLS = {"sample": ("self", "rng", "size")}  # the estimators _build_parzen_estimator returns
+
+
 class RoundTPESampler(optuna.samplers.TPESampler):
     """TPE that fits its two Parzen estimators once per round of asks, not once per ask.
 

@@ -5,60 +5,26 @@ give a new study its warm start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from orchestrator import learn, transfer
 from orchestrator.db import Database, repo
 from workers.errors import BadInput
+from workers.hardware import Fingerprint
 from workers.models import ModelInfo
 from workers.trial import BenchParams
 
-GIB = 1024**3
 
-
-@dataclass(frozen=True)
-class Hardware:
-    key: str
-    p_cores: int
-    e_cores: int
-    gpu_cores: int
-    bandwidth_gbs: float
-    memory_gb: float
-
-
-def _hardware_of_row(chip) -> Hardware | None:
-    if not chip.bandwidth_gbs or not (chip.p_cores or chip.logical_cores):
-        return None  # no bandwidth (a CUDA or CPU-only chip): not comparable with Apple's table
-    return Hardware(chip.key, chip.p_cores or chip.logical_cores, chip.e_cores or 0, chip.gpu_cores or 0,
-                    chip.bandwidth_gbs, (chip.memory_bytes or 0) / GIB or 16.0)
-
-
-def hardware(db: Database, chip_key: str) -> Hardware:
+def hardware(db: Database, chip_key: str) -> Fingerprint:
     """A chip's hardware: from a node that has joined, else from the Apple Silicon chip table."""
     from workers import simulated
 
     with db.session() as s:
         row = repo.chip_by_key(s, chip_key)
-        if row is not None and (hw := _hardware_of_row(row)):
+        if row is not None and transfer.comparable(hw := repo.fingerprint_of_chip(row)):
             return hw
     for chip in simulated.all_chips():
         if chip.chip_key == chip_key:
-            return Hardware(chip.chip_key, chip.p_cores, chip.e_cores, chip.gpu_cores,
-                            chip.bandwidth_gbs, chip.memory_gb)
+            return chip
     raise BadInput(f"unknown chip {chip_key!r}: not in the fleet's database nor in the chip table")
-
-
-def _describable(model: ModelInfo) -> bool:
-    return model.size_bytes > 0 and model.n_layer > 0 and model.n_params > 0
-
-
-def features(hw: Hardware, model: ModelInfo) -> transfer.Features:
-    if not _describable(model):
-        raise BadInput(f"model {model.name}: its size and layer count are unknown (imported?); "
-                       "register the GGUF file to predict for it")
-    bpw = model.size_bytes * 8 / model.n_params if model.n_params else 4.5
-    return transfer.Features(hw.p_cores, hw.e_cores, hw.gpu_cores, hw.bandwidth_gbs, hw.memory_gb,
-                             float(model.size_bytes), model.n_layer, bpw)
 
 
 def examples(db: Database, objective: str, simulated: bool) -> list[transfer.Example]:
@@ -66,12 +32,12 @@ def examples(db: Database, objective: str, simulated: bool) -> list[transfer.Exa
     out = []
     with db.session() as s:
         for rec in repo.all_latest_recommendations(s, objective, simulated):
-            hw = _hardware_of_row(rec.chip)
+            hw = repo.fingerprint_of_chip(rec.chip)
             model = repo.model_info_of(rec.model)
-            if hw is None or rec.expected_tps <= 0 or not _describable(model):
+            if not transfer.comparable(hw) or rec.expected_tps <= 0 or not transfer.describable(model):
                 continue  # e.g. a model imported from llama-bench output, its layers unknown
-            out.append(transfer.Example(rec.chip.key, features(hw, model),
-                                        BenchParams.from_dict(rec.params), rec.expected_tps))
+            out.append(transfer.Example(rec.chip.key, hw, model, BenchParams.from_dict(rec.params),
+                                        rec.expected_tps))
     return out
 
 
@@ -102,7 +68,7 @@ def recommend(db: Database, model: ModelInfo, chip_key: str, objective: str = "t
                     "version": rec.version, "evidence": rec.evidence, "simulated": rec.simulated}
     hw = hardware(db, chip_key)
     model_predictor, simulated = predictor(db, objective)
-    pred = model_predictor.predict(features(hw, model))
+    pred = model_predictor.predict(hw, model)
     return {"chip": chip_key, "model": model.name, "objective": objective, "source": "predicted",
             "flags": pred.params.llama_cpp_flags(), "llama_cpp_python": pred.params.llama_cpp_python_kwargs(),
             "expected_tps": pred.expected_tps, "interval": list(pred.interval), "version": None,
@@ -115,11 +81,12 @@ def warm_start(db: Database, chip_key: str, model: ModelInfo, objective: str, si
     """What a new study measures first: the predicted configuration, then the best configurations
     of the nearest known chips. Empty when the fleet knows too little (the sampler starts cold)."""
     try:
-        target = features(hardware(db, chip_key), model)
+        hw = hardware(db, chip_key)
+        transfer.features(hw, model)  # a model the predictor cannot place: start cold
         model_predictor, _ = predictor(db, objective, simulated)
     except BadInput:
         return []
-    pred = model_predictor.predict(target)
+    pred = model_predictor.predict(hw, model)
     return [pred.params, *(params for key, params in pred.nearest if key != chip_key)]
 
 
@@ -139,15 +106,9 @@ def learn_all(db: Database, model: ModelInfo | None = None) -> list[dict]:
                       and r.n_gen == study.n_gen and r.simulated == draft.simulated]
             unchanged = latest and latest[0].params == draft.params.to_dict() and \
                 abs(latest[0].expected_tps - draft.expected_tps) <= 1e-9 * max(draft.expected_tps, 1)
-            version = latest[0].version if unchanged else repo.add_recommendation(
-                s, chip_id=study.chip_id, model_id=study.model_id, study_id=study.id,
-                objective=study.objective, n_prompt=study.n_prompt, n_gen=study.n_gen,
-                params=draft.params.to_dict(), expected_tps=draft.expected_tps,
-                interval_low=draft.interval_low, interval_high=draft.interval_high,
-                expected_pp_tps=draft.expected_pp_tps, expected_tg_tps=draft.expected_tg_tps,
-                baseline_tps=draft.baseline_tps, improvement=draft.improvement, evidence=draft.evidence,
-                simulated=draft.simulated, source="learn",
-            ).version
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, study.objective,
+                                         study.n_prompt, study.n_gen, draft, source="learn")
+            version = latest[0].version if unchanged else repo.add_recommendation(s, new).version
             rows.append({"study": study.name, "chip": study.chip.key, "objective": study.objective,
                          "flags": draft.params.llama_cpp_flags(), "expected_tps": draft.expected_tps,
                          "version": version, "changed": not unchanged, "simulated": draft.simulated})

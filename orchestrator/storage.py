@@ -40,6 +40,19 @@ INTERMEDIATE = models.TrialIntermediateValueModel.__table__
 USER_ATTRS = models.TrialUserAttributeModel.__table__
 SYSTEM_ATTRS = models.TrialSystemAttributeModel.__table__
 CHILD_TABLES = (PARAMS, VALUES, INTERMEDIATE, USER_ATTRS, SYSTEM_ATTRS)
+# Optuna's private table models this storage writes through (tests/test_optuna_private.py checks
+# them against the installed Optuna; pyproject pins the versions they hold on): the columns written
+# per table, and the encoders called. FrozenTrial._trial_id is read too.
+COLUMNS_WRITTEN = {
+    TRIALS: ("trial_id", "number", "study_id", "state", "datetime_start", "datetime_complete"),
+    PARAMS: ("trial_id", "param_name", "param_value", "distribution_json"),
+    VALUES: ("trial_id", "objective", "value", "value_type"),
+    INTERMEDIATE: ("trial_id", "step", "intermediate_value", "intermediate_value_type"),
+    USER_ATTRS: ("trial_id", "key", "value_json"),
+    SYSTEM_ATTRS: ("trial_id", "key", "value_json"),
+}
+ENCODERS = (("TrialValueModel", "value_to_stored_repr"),
+            ("TrialIntermediateValueModel", "intermediate_value_to_stored_repr"))
 # the mapped attribute behind the datetime_start column: Optuna 5 stores UTC through a property
 _START_KEY = sa_inspect(models.TrialModel).get_property_by_column(TRIALS.c.datetime_start).key
 

@@ -83,7 +83,7 @@ def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False,
         cfg = replace(cfg, warm_start=tuple(configs))
     return StudyRunner(
         db,
-        dispatch.Dispatcher(),
+        dispatch.RayDispatcher(),
         cfg,
         target,
         alive_nodes=dispatch.ChipNodes(key),

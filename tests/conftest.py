@@ -2,6 +2,13 @@
 
 PostgreSQL is not optional: the tests use the server on 127.0.0.1:5432 (FLEETTUNE_TEST_PG to point
 elsewhere) and fail when it is not there.
+
+Tiers: a test is marked by what it uses (``pytest_collection_modifyitems`` below), so a new test is
+classified by its fixtures: ``cluster`` (starts or joins Ray), ``postgres`` (the PostgreSQL server),
+``model`` (the real SmolLM2 file: fetched on first use, loaded by llama.cpp). The fast tier is
+everything else: ``pytest -m "not cluster and not postgres and not model"``. A test that starts Ray
+without the ``ray_cluster`` fixture must say ``@pytest.mark.cluster``; an unmarked one that calls
+``ray.init`` fails and says so.
 """
 
 from __future__ import annotations
@@ -13,6 +20,41 @@ from pathlib import Path
 
 import pytest
 import ray
+
+# fixture -> the marker of every test that uses it (directly or through another fixture)
+FIXTURE_MARKERS = {
+    "ray_cluster": "cluster", "fleet_cluster": "cluster",
+    "pg_server": "postgres", "pg_url": "postgres",
+    "model_path": "model", "model_info": "model",
+}
+POSTGRES_PARAM = "postgres"  # the value of a database parameter (db_url, module fixtures) that picks it
+
+
+def tier_markers(item) -> set[str]:
+    """The tier markers a collected test gets from its fixtures and parameters."""
+    names = set(getattr(item, "fixturenames", ()))
+    marks = {mark for fixture, mark in FIXTURE_MARKERS.items() if fixture in names}
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and POSTGRES_PARAM in callspec.params.values():
+        marks.add("postgres")  # db_url / module_db_url ask for the server by name, at run time
+    return marks
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in sorted(tier_markers(item) - {m.name for m in item.iter_markers()}):
+            item.add_marker(mark)
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_in_cluster_tests(request, monkeypatch):
+    """A test outside the cluster tier that starts Ray fails at once, naming the marker it lacks."""
+    if request.node.get_closest_marker("cluster") is None:
+        def refuse(*args, **kwargs):
+            pytest.fail(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.cluster")
+
+        monkeypatch.setattr(ray, "init", refuse)
+
 
 PG_ADMIN_URL = os.environ.get("FLEETTUNE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 TINY = {"n_prompt": 16, "n_gen": 4, "reps": 1}  # token counts that keep a real trial under a second

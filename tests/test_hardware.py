@@ -1,4 +1,4 @@
-"""Hardware fingerprints from real Mac outputs (shared fixtures) and from this Linux machine."""
+"""Hardware fingerprints from real Mac outputs (tests/fixtures/macos) and from this Linux machine."""
 
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ from workers.hardware import (
     parse_system_profiler_text,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "macos"
-if not FIXTURES.is_dir():  # CI lays shared/ beside the clone too
-    FIXTURES = Path(__file__).resolve().parents[1] / "shared" / "fixtures" / "macos"
+FIXTURES = Path(__file__).parent / "fixtures" / "macos"  # the project's own copy: a clone needs nothing beside it
 
 
 def _dir_with(tmp_path: Path, **files: str) -> Path:

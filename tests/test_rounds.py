@@ -8,6 +8,8 @@ proposals not yet dispatched.
 
 from __future__ import annotations
 
+from functools import partial
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -16,58 +18,25 @@ from orchestrator import studies
 from orchestrator.db import open_database, repo
 from orchestrator.samplers import RoundTPESampler
 from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
+from orchestrator.virtual import VirtualFleet
 from workers import simulated
-from workers.hardware import Fingerprint
 from workers.trial import Workload
 
 CHIP = simulated.parse_chip("M2 Ultra/76")
 MODEL = "sim://llama2-7b/q4_0"
 
 
-class InstantFleet:
-    """A dispatcher over ``n`` in-process nodes. A trial finishes when the head blocks for results
-    (a wait with a timeout), a few at a time, so the loop meets both empty polls and backlogs."""
-
-    def __init__(self, n: int, per_wait: int = 7) -> None:
-        self.nodes = [f"node-{i:02d}" for i in range(n)]
-        self.node = simulated.SimulatedNode(CHIP, seed=3, time_scale=0.0)
-        self.per_wait = per_wait
-        self.running: dict[int, tuple] = {}
-        self.finished: list[int] = []
-        self.most_running = 0
-        self._next = 0
-
-    def submit(self, spec, chip_key, node_id=None):
-        assert len(self.running) < len(self.nodes), "more trials than nodes"
-        ref, self._next = self._next, self._next + 1
-        self.running[ref] = (spec, node_id or self.nodes[len(self.running)])
-        self.most_running = max(self.most_running, len(self.running))
-        return ref
-
-    def wait(self, refs, timeout_s):
-        if timeout_s > 0:
-            self.finished += [r for r in list(self.running)[: self.per_wait] if r not in self.finished]
-        return [r for r in refs if r in self.finished]
-
-    def result(self, ref, trial_key):
-        spec, node = self.running.pop(ref)
-        self.finished.remove(ref)
-        result = self.node.measure(spec)
-        result.node_id = node
-        return result
-
-    def cancel(self, ref) -> None:
-        self.running.pop(ref, None)
-
-    def alive(self) -> list[str]:
-        return self.nodes
+def instant_fleet(n: int, per_wait: int = 7) -> VirtualFleet:
+    """``n`` in-process nodes whose trials finish when the head blocks for results (a wait with a
+    timeout), a few at a time, so the loop meets both empty polls and backlogs."""
+    return VirtualFleet(CHIP, n, trial_s=0.0, per_wait=per_wait, prefix="node", seed=3)
 
 
-def runner(url: str, fleet: InstantFleet, on_progress=None, **cfg) -> StudyRunner:
-    target = ChipTarget(Fingerprint.from_dict(CHIP.fingerprint()), {}, simulated=True)
+def runner(url: str, fleet: VirtualFleet, on_progress=None, **cfg) -> StudyRunner:
+    target = ChipTarget(CHIP, {}, simulated=True)
     config = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
                          **{"n_trials": 120, "sampler": "tpe", "seed": 5, "confirm_top": 1, **cfg})
-    return StudyRunner(open_database(url), fleet, config, target, alive_nodes=fleet.alive,
+    return StudyRunner(open_database(url), fleet, config, target, alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key),
                        on_progress=on_progress)
 
 
@@ -78,15 +47,15 @@ def stored(run: StudyRunner):
 
 def test_a_large_fleet_study_ends_with_its_budget_every_trial_once(db_url, monkeypatch):
     asked_ahead = []
-    real_wait = InstantFleet.wait
+    real_wait = VirtualFleet.wait
 
     def counting_wait(self, refs, timeout_s):  # a poll (timeout 0) is the loop proposing ahead
         if timeout_s == 0:
             asked_ahead.append(len(refs))
         return real_wait(self, refs, timeout_s)
 
-    monkeypatch.setattr(InstantFleet, "wait", counting_wait)
-    fleet = InstantFleet(48)
+    monkeypatch.setattr(VirtualFleet, "wait", counting_wait)
+    fleet = instant_fleet(48)
     run = runner(db_url, fleet, name="large")
     outcome = run.run()
     rows = stored(run)
@@ -107,10 +76,10 @@ def test_a_large_fleet_study_ends_with_its_budget_every_trial_once(db_url, monke
 
 def test_a_small_fleet_never_proposes_ahead(sqlite_url, monkeypatch):
     polls = []
-    real_wait = InstantFleet.wait
-    monkeypatch.setattr(InstantFleet, "wait",
+    real_wait = VirtualFleet.wait
+    monkeypatch.setattr(VirtualFleet, "wait",
                         lambda self, refs, t: polls.append(t) or real_wait(self, refs, t))
-    runner(sqlite_url, InstantFleet(studies.AHEAD_MIN_RUNNING - 1), n_trials=40).run()
+    runner(sqlite_url, instant_fleet(studies.AHEAD_MIN_RUNNING - 1), n_trials=40).run()
     assert 0 not in polls  # every proposal was made with every result in
 
 
@@ -123,7 +92,7 @@ def test_an_interrupted_large_fleet_leaves_nothing_running(db_url):
             if len(seen) == 60:
                 raise KeyboardInterrupt
 
-    run = runner(db_url, InstantFleet(48), on_progress=stop_after_60, name="stopped")
+    run = runner(db_url, instant_fleet(48), on_progress=stop_after_60, name="stopped")
     with pytest.raises(StudyPaused):
         run.run()
     rows = stored(run)
@@ -133,7 +102,7 @@ def test_an_interrupted_large_fleet_leaves_nothing_running(db_url):
     trials = optuna.load_study(study_name="stopped", storage=db_url).trials
     assert not [t for t in trials if t.state == TrialState.RUNNING]  # proposals made ahead: failed
     assert sum(t.state == TrialState.COMPLETE for t in trials) == complete
-    resumed = runner(db_url, InstantFleet(48), name="stopped", resume=True)
+    resumed = runner(db_url, instant_fleet(48), name="stopped", resume=True)
     assert resumed.run().n_complete == 120
 
 
@@ -196,9 +165,9 @@ def test_auto_is_gp_for_a_few_nodes_with_torch_and_tpe_for_a_fleet(monkeypatch):
 
 
 def test_a_resumed_study_keeps_the_sampler_it_was_created_with(sqlite_url):
-    first = runner(sqlite_url, InstantFleet(4), name="kept", sampler="random", n_trials=6)
+    first = runner(sqlite_url, instant_fleet(4), name="kept", sampler="random", n_trials=6)
     first.run()
-    again = runner(sqlite_url, InstantFleet(40), name="kept", sampler="auto", resume=True, n_trials=8)
+    again = runner(sqlite_url, instant_fleet(40), name="kept", sampler="auto", resume=True, n_trials=8)
     again.prepare()
     assert again.sampler == "random"
     assert again.run().n_complete == 8

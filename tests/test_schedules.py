@@ -33,10 +33,10 @@ def test_a_chip_family_never_measured_gets_a_configuration_within_10_percent(hel
     examples = []
     for chip in known:
         params, _, value = simulated.optimum(chip, shape, "tg")
-        examples.append(Example(chip.chip_key, schedules.features(chip, model), params, value))
+        examples.append(Example(chip.chip_key, chip, model, params, value))
     predictor = ConfigPredictor(examples)
     for chip in (c for c in chips if c.family == held_out):
-        pred = predictor.predict(schedules.features(chip, model))
+        pred = predictor.predict(chip, model)
         _, _, best = simulated.optimum(chip, shape, "tg")
         achieved = simulated.predict(chip, shape, pred.params, 512, 128).tg_tps
         assert achieved >= 0.9 * best, (chip.label, pred.params)
@@ -113,3 +113,32 @@ def test_a_new_study_measures_the_warm_start_first(fleet_db):
         if key != measured[0] and key not in expected:
             expected.append(key)
     assert measured[1:1 + len(expected)] == expected  # then the warm start, each config once
+
+
+def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_changes(sqlite_url):
+    """A study on the in-process fleet stores its recommendation (keyword form); the typed
+    NewRecommendation that `schedule learn` writes carries every column the same."""
+    from functools import partial
+
+    from orchestrator import learn
+    from orchestrator.studies import ChipTarget, StudyRunner
+    from orchestrator.virtual import VirtualFleet
+
+    chip = simulated.parse_chip("M1 Pro/16")
+    fleet = VirtualFleet(chip, 4, seed=2)
+    cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=8, seed=3, confirm_top=1,
+                      workload=Workload(n_prompt=64, n_gen=16, reps=1))
+    db = open_database(sqlite_url)
+    StudyRunner(db, fleet, cfg, ChipTarget(chip, {}, simulated=True),
+                alive_nodes=partial(fleet.alive_nodes, chip.chip_key)).run()
+    assert [r["changed"] for r in schedules.learn_all(db)] == [False]  # the study stored it already
+    with db.session() as s:
+        study = repo.completed_studies(s)[0]
+        draft = learn.recommend(schedules.study_records(s, study.id), study.objective, 64, 16)
+        new = repo.NewRecommendation(chip_id=study.chip_id, model_id=study.model_id, study_id=study.id,
+                                     objective="tg", n_prompt=64, n_gen=16, draft=draft, source="learn")
+        [first] = repo.latest_recommendations(s, [study.model_id], chip.chip_key, "tg")
+        typed = repo.add_recommendation(s, new)
+        assert (first.version, typed.version) == (1, 2)
+        columns = [c.key for c in typed.__table__.columns if c.key not in ("id", "version", "source", "created_at")]
+        assert {c: getattr(typed, c) for c in columns} == {c: getattr(first, c) for c in columns}

@@ -20,7 +20,7 @@ def make_runner(url, model_info, fingerprint, on_progress=None, **cfg) -> StudyR
     infos = dispatch.describe_nodes(nodes)
     config = StudyConfig(model=model_info, workload=WORKLOAD, **{"n_trials": 3, "seed": 7, **cfg})
     target = ChipTarget(fingerprint, {})
-    runner = StudyRunner(db, dispatch.Dispatcher(), config, target,
+    runner = StudyRunner(db, dispatch.RayDispatcher(), config, target,
                          alive_nodes=dispatch.ChipNodes(fingerprint.chip_key, ttl_s=0),
                          on_progress=on_progress)
     runner.prepare()

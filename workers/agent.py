@@ -80,7 +80,7 @@ def node_info() -> NodeInfo:
     return NodeInfo(
         ray_node_id=node_id,
         hostname=labels.get(HOSTNAME_LABEL) or socket.gethostname(),
-        fingerprint=sim.chip.fingerprint() if sim else fingerprint_live().to_dict(),
+        fingerprint=sim.chip.to_dict() if sim else fingerprint_live().to_dict(),
         llama_build=sim.backend_info() if sim else bench.llama_build_info(),
         simulated=sim is not None,
         python_version=".".join(map(str, sys.version_info[:3])),

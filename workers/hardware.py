@@ -35,20 +35,14 @@ FROM_DIR_FILES = (
 NVIDIA_SMI_QUERY = "name,memory.total,driver_version"
 
 
-@dataclass(frozen=True)
-class ChipBin:
-    """One row of the Apple Silicon chip table."""
-
-    family: str
-    p_cores: int
-    e_cores: int
-    gpu_cores: int
-    bandwidth_gbs: float
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What a node is. ``chip_key`` is the routing label: nodes with one key are interchangeable."""
+    """What a node is: the one hardware record (a live machine, captured outputs, a row of the
+    Apple Silicon chip table, a simulated Mac). ``chip_key`` is the routing label: nodes with one
+    key are interchangeable."""
 
     chip: str | None
     chip_key: str | None
@@ -72,6 +66,23 @@ class Fingerprint:
             return self.chip.removeprefix("Apple ")
         return None
 
+    @property
+    def generation(self) -> str | None:
+        """Apple generation such as "M2" (what clock speeds follow from), or None."""
+        return self.family.split()[0] if self.family else None
+
+    @property
+    def memory_gb(self) -> float | None:
+        return self.memory_bytes / GIB if self.memory_bytes is not None else None
+
+    @property
+    def label(self) -> str | None:
+        """An Apple bin as `--simulate` names it, "M2 Ultra/76/192" (family/GPU cores/memory GB)."""
+        if not self.family:
+            return self.chip_key
+        memory = f"/{self.memory_bytes // GIB}" if self.memory_bytes is not None else ""
+        return f"{self.family}/{self.gpu_cores}{memory}"
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -80,19 +91,26 @@ class Fingerprint:
         return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
 
 
+def apple_chip(family: str, p_cores: int, e_cores: int, gpu_cores: int, bandwidth_gbs: float,
+               memory_bytes: int | None = None, os: str | None = None) -> Fingerprint:
+    """The fingerprint of an Apple Silicon bin (what such a Mac reports about itself)."""
+    name = f"Apple {family}"
+    return Fingerprint(
+        chip=name, chip_key=make_chip_key(name, gpu_cores, None), vendor="Apple",
+        p_cores=p_cores, e_cores=e_cores, logical_cores=p_cores + e_cores, gpu_cores=gpu_cores,
+        gpu_name=name, gpu_memory_bytes=None, memory_bytes=memory_bytes, bandwidth_gbs=bandwidth_gbs,
+        os=os, backend="metal", gpu_offload=True,
+    )
+
+
 @cache
-def chip_table() -> tuple[ChipBin, ...]:
-    """The bundled Apple Silicon bins (family, P/E cores, GPU cores, bandwidth)."""
+def chip_table() -> tuple[Fingerprint, ...]:
+    """The bundled Apple Silicon bins (family, P/E cores, GPU cores, bandwidth; memory unknown)."""
     text = resources.files("workers").joinpath("data/apple_silicon_chips.csv").read_text()
     rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
     return tuple(
-        ChipBin(
-            family=r["family"],
-            p_cores=int(r["p_cores"]),
-            e_cores=int(r["e_cores"]),
-            gpu_cores=int(r["gpu_cores"]),
-            bandwidth_gbs=float(r["bandwidth_gbs"]),
-        )
+        apple_chip(r["family"], int(r["p_cores"]), int(r["e_cores"]), int(r["gpu_cores"]),
+                   float(r["bandwidth_gbs"]))
         for r in rows
     )
 
@@ -102,7 +120,7 @@ def apple_bins(
     gpu_cores: int | None = None,
     p_cores: int | None = None,
     e_cores: int | None = None,
-) -> list[ChipBin]:
+) -> list[Fingerprint]:
     """Bins of ``family`` consistent with whatever core counts are known."""
     bins = [b for b in chip_table() if b.family.lower() == family.lower()]
     for attr, value in (("gpu_cores", gpu_cores), ("p_cores", p_cores), ("e_cores", e_cores)):

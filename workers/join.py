@@ -42,9 +42,8 @@ def plan_join(
     if simulate:
         from workers import simulated
 
-        chip = simulated.parse_chip(simulate)
-        fp = Fingerprint.from_dict(chip.fingerprint())
-        extra = {SIMULATE_LABEL: chip.ray_label, SCENARIO_LABEL: scenario,
+        fp = simulated.parse_chip(simulate)
+        extra = {SIMULATE_LABEL: simulated.ray_label(fp), SCENARIO_LABEL: scenario,
                  TIME_SCALE_LABEL: f"{time_scale:g}", SPEED_LABEL: f"{speed:g}"}
     else:
         fp = fingerprint_live()

@@ -209,9 +209,18 @@ def _atomic_copy(src: Path, dest: Path) -> None:
 # without downloading it. The tokenizer comes from a real GGUF so the file loads and decodes.
 
 
+# Effective bits per weight of llama.cpp's file types.
+QUANT_BPW = {
+    "f16": 16.0, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q5_0": 5.5, "q5_1": 6.0,
+    "q4_k_m": 4.89, "q4_k_s": 4.58, "q4_1": 5.0, "q4_0": 4.5, "q3_k_m": 3.91, "q2_k": 3.35,
+}
+
+
 @dataclass(frozen=True)
-class ArchShape:
-    """A llama-architecture model's hyper-parameters (what its tensors' shapes follow from)."""
+class ModelShape:
+    """A llama-architecture model's shape: the one record its tensors (the synthetic writer), its
+    size and its speed (the simulator) follow from. Named shapes leave ``name``/``quant`` to the
+    caller (``dataclasses.replace``); a GGUF file's shape is read from its metadata."""
 
     n_layer: int
     n_embd: int
@@ -219,16 +228,43 @@ class ArchShape:
     n_head: int
     n_head_kv: int
     n_vocab: int
-    n_ctx: int
-    rope_theta: float
+    n_ctx: int = 4096
+    rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    name: str = ""
+    quant: str = "q4_0"
+    tied_embeddings: bool = False  # output projection shares the token embedding (small models)
+
+    @property
+    def bpw(self) -> float:
+        return QUANT_BPW[self.quant]
+
+    @property
+    def layer_params(self) -> float:
+        kv = self.n_embd * self.n_embd * self.n_head_kv // self.n_head
+        return 2 * self.n_embd * self.n_embd + 2 * kv + 3 * self.n_embd * self.n_ff
+
+    @property
+    def output_params(self) -> float:
+        return self.n_vocab * self.n_embd
+
+    @property
+    def n_params(self) -> float:
+        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
+
+    def bytes_of(self, params: float) -> float:
+        return params * self.bpw / 8
+
+    @property
+    def file_bytes(self) -> float:
+        return self.bytes_of(self.n_params)
 
 
 ARCH_SHAPES = {
-    "llama2-7b": ArchShape(32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
-    "llama3-8b": ArchShape(32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
-    "llama2-13b": ArchShape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
-    "tiny": ArchShape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
+    "llama2-7b": ModelShape(32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+    "llama3-8b": ModelShape(32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+    "llama2-13b": ModelShape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
+    "tiny": ModelShape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
 }
 
 # Bytes of one block and values per block, for the types the writer emits (ggml's layouts).
@@ -257,7 +293,7 @@ class TensorPlan:
         return self.n_elements // block_values * block_bytes
 
 
-def synth_plan(shape: ArchShape, quant: str, n_vocab: int | None = None) -> list[TensorPlan]:
+def synth_plan(shape: ModelShape, quant: str, n_vocab: int | None = None) -> list[TensorPlan]:
     """The tensors llama.cpp's quantizer would write for this shape, in its type choices.
 
     Like ``llama-quantize``: norms stay f32, the output projection of a 4-bit file is Q6_K (Q8_0

@@ -38,11 +38,9 @@ from importlib import resources
 import numpy as np
 
 from workers.errors import BadInput
-from workers.hardware import apple_bins, chip_table, slug
-from workers.models import ARCH_SHAPES
+from workers.hardware import GIB, Fingerprint, apple_bins, chip_table
+from workers.models import ARCH_SHAPES, QUANT_BPW, ModelShape
 from workers.trial import BenchParams, Sample, TrialResult, Workload
-
-GIB = 1024**3
 
 # Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
 GPU_CLOCK_GHZ = {"M1": 1.278, "M2": 1.398, "M3": 1.38, "M4": 1.578}
@@ -54,64 +52,25 @@ BASE_MEMORY_GB = {
     "M3": 8, "M3 Pro": 18, "M3 Max": 36, "M3 Ultra": 96,
     "M4": 16, "M4 Pro": 24, "M4 Max": 36,
 }
-# Effective bits per weight of llama.cpp's file types.
-QUANT_BPW = {
-    "f16": 16.0, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q5_0": 5.5, "q5_1": 6.0,
-    "q4_k_m": 4.89, "q4_k_s": 4.58, "q4_1": 5.0, "q4_0": 4.5, "q3_k_m": 3.91, "q2_k": 3.35,
-}
 # Dequantisation cost class of each type (the fit has one constant per class).
 QUANT_CLASS = {"f16": "f16", "q8_0": "q8", "q6_k": "q8", "q5_k_m": "q4", "q5_0": "q4", "q5_1": "q4",
                "q4_k_m": "q4", "q4_k_s": "q4", "q4_1": "q4", "q4_0": "q4", "q3_k_m": "q4", "q2_k": "q4"}
 WORKING_SET_FRACTION = 0.75
 
 
-@dataclass(frozen=True)
-class ChipSpec:
-    """One chip bin (plus its memory), e.g. "M2 Ultra/76/192"."""
-
-    family: str
-    p_cores: int
-    e_cores: int
-    gpu_cores: int
-    bandwidth_gbs: float
-    memory_gb: int
-    fanless: bool
-
-    @property
-    def generation(self) -> str:
-        return self.family.split()[0]
-
-    @property
-    def name(self) -> str:
-        return f"Apple {self.family}"
-
-    @property
-    def chip_key(self) -> str:
-        return f"{slug(self.name)}-{self.gpu_cores}g"
-
-    def fingerprint(self) -> dict:
-        """What a simulated node reports as its hardware fingerprint."""
-        return {
-            "chip": self.name, "chip_key": self.chip_key, "vendor": "Apple",
-            "p_cores": self.p_cores, "e_cores": self.e_cores,
-            "logical_cores": self.p_cores + self.e_cores, "gpu_cores": self.gpu_cores,
-            "gpu_name": self.name, "gpu_memory_bytes": None,
-            "memory_bytes": self.memory_gb * GIB, "bandwidth_gbs": self.bandwidth_gbs,
-            "os": "macOS (simulated)", "backend": "metal", "gpu_offload": True,
-        }
-
-    @property
-    def label(self) -> str:
-        return f"{self.family}/{self.gpu_cores}/{self.memory_gb}"
-
-    @property
-    def ray_label(self) -> str:
-        """The same as a Ray label value: "M2_Ultra.76.192"."""
-        return self.label.replace(" ", "_").replace("/", ".")
+def fanless(chip: Fingerprint) -> bool:
+    """The base chips (M1, M2, ...) ship in fanless machines, which throttle under sustained load."""
+    return " " not in (chip.family or "")
 
 
-def parse_chip(text: str) -> ChipSpec:
-    """"M2 Ultra/76" or "M2 Ultra/76/192" (family / GPU cores / memory GB) into a chip bin.
+def ray_label(chip: Fingerprint) -> str:
+    """A simulated chip's bin as a Ray label value (no spaces or slashes): "M2_Ultra.76.192"."""
+    return chip.label.replace(" ", "_").replace("/", ".")
+
+
+def parse_chip(text: str) -> Fingerprint:
+    """"M2 Ultra/76" or "M2 Ultra/76/192" (family / GPU cores / memory GB) into the fingerprint a
+    simulated Mac of that bin reports.
 
     The label form of the same, "M2_Ultra.76.192" (Ray label values allow no spaces), works too.
     """
@@ -131,58 +90,14 @@ def parse_chip(text: str) -> ChipSpec:
             raise BadInput(f"unknown chip {text!r}: {family} comes with {options} GPU cores")
     b = max(bins, key=lambda b: (b.gpu_cores, b.p_cores))
     memory = int(parts[2]) if len(parts) > 2 and parts[2] else BASE_MEMORY_GB[b.family]
-    return ChipSpec(b.family, b.p_cores, b.e_cores, b.gpu_cores, b.bandwidth_gbs, memory,
-                    fanless=" " not in b.family)
+    return replace(b, memory_bytes=memory * GIB, os="macOS (simulated)")
 
 
-def all_chips() -> list[ChipSpec]:
+def all_chips() -> list[Fingerprint]:
     return [parse_chip(f"{b.family}/{b.gpu_cores}") for b in chip_table()]
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the model's size and speed depend on (read from GGUF metadata or named)."""
-
-    name: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_vocab: int
-    quant: str
-    tied_embeddings: bool = False  # output projection shares the token embedding (small models)
-
-    @property
-    def bpw(self) -> float:
-        return QUANT_BPW[self.quant]
-
-    @property
-    def layer_params(self) -> float:
-        kv = self.n_embd * self.n_embd * self.n_head_kv // self.n_head
-        return 2 * self.n_embd * self.n_embd + 2 * kv + 3 * self.n_embd * self.n_ff
-
-    @property
-    def output_params(self) -> float:
-        return self.n_vocab * self.n_embd
-
-    @property
-    def n_params(self) -> float:
-        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
-
-    def bytes_of(self, params: float) -> float:
-        return params * self.bpw / 8
-
-    @property
-    def file_bytes(self) -> float:
-        return self.bytes_of(self.n_params)
-
-
-NAMED_SHAPES = {  # the real architectures the synthetic writer knows (workers.models.ARCH_SHAPES)
-    name: dict(n_layer=a.n_layer, n_embd=a.n_embd, n_ff=a.n_ff, n_head=a.n_head,
-               n_head_kv=a.n_head_kv, n_vocab=a.n_vocab)
-    for name, a in ARCH_SHAPES.items() if name != "tiny"
-}
+NAMED_SHAPES = {name: shape for name, shape in ARCH_SHAPES.items() if name != "tiny"}
 
 
 def model_shape(name: str, quant: str) -> ModelShape:
@@ -191,7 +106,7 @@ def model_shape(name: str, quant: str) -> ModelShape:
         raise BadInput(f"unknown model shape {name!r}; known: {', '.join(NAMED_SHAPES)}")
     if quant not in QUANT_BPW:
         raise BadInput(f"unknown quantisation {quant!r}; known: {', '.join(QUANT_BPW)}")
-    return ModelShape(name=name, quant=quant, **NAMED_SHAPES[name])
+    return replace(NAMED_SHAPES[name], name=name, quant=quant)
 
 
 def shape_from_gguf(path: str) -> ModelShape:
@@ -216,8 +131,8 @@ def shape_from_gguf(path: str) -> ModelShape:
     return ModelShape(
         name=info.name, n_layer=info.n_layer, n_embd=field("embedding_length"),
         n_ff=field("feed_forward_length"), n_head=n_head,
-        n_head_kv=field("attention.head_count_kv", n_head), n_vocab=info.n_vocab or 32000, quant=quant,
-        tied_embeddings=tied,
+        n_head_kv=field("attention.head_count_kv", n_head), n_vocab=info.n_vocab or 32000,
+        n_ctx=info.context_length or 4096, quant=quant, tied_embeddings=tied,
     )
 
 
@@ -257,7 +172,7 @@ def sim_model_info(ref: str):
         n_params=int(shape.n_params),
         file_type=shape.quant.upper(),
         size_bytes=int(shape.file_bytes),
-        context_length=8192 if shape.name == "llama3-8b" else 4096,
+        context_length=shape.n_ctx,
         n_embd=shape.n_embd,
         n_vocab=shape.n_vocab,
     )
@@ -365,7 +280,7 @@ class Prediction:
         return asdict(self)
 
 
-def _thread_speed(chip: ChipSpec, threads: int) -> float:
+def _thread_speed(chip: Fingerprint, threads: int) -> float:
     """Aggregate speed of ``threads`` in P-core units, as the slowest thread sets the pace."""
     cores = chip.p_cores + chip.e_cores
     if threads <= chip.p_cores:
@@ -376,7 +291,7 @@ def _thread_speed(chip: ChipSpec, threads: int) -> float:
 
 
 def predict(
-    chip: ChipSpec, shape: ModelShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
+    chip: Fingerprint, shape: ModelShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
     scenario: str = "calibrated",
 ) -> Prediction:
     """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload)."""
@@ -395,7 +310,7 @@ def predict(
     cpu_params = shape.n_layer * shape.layer_params + shape.output_params - gpu_params
     kv_bytes = 2 * L * (n_prompt + n_gen) * shape.n_embd * shape.n_head_kv / shape.n_head * 2
     need = gpu_bytes + (kv_bytes * gpu_layers / L if L else 0) + params.n_ubatch * shape.n_embd * 64
-    limit = chip.memory_gb * GIB * WORKING_SET_FRACTION
+    limit = chip.memory_bytes * WORKING_SET_FRACTION
     if gpu_layers and need > limit:
         return Prediction(0.0, 0.0, need, False,
                           f"out of memory: GPU share {need / GIB:.1f} GiB > working-set limit {limit / GIB:.1f} GiB")
@@ -444,7 +359,7 @@ def predict(
     return Prediction(pp_tps=1 / t_pp, tg_tps=1 / t_tg, gpu_bytes=need, fits=True)
 
 
-def search_grid(chip: ChipSpec, shape: ModelShape, batch_choices=(128, 256, 512, 1024, 2048)):
+def search_grid(chip: Fingerprint, shape: ModelShape, batch_choices=(128, 256, 512, 1024, 2048)):
     """Every configuration of the exhaustive grid (ngl x threads x batch; ubatch = min(512, b))."""
     for ngl in range(shape.n_layer + 2):
         for threads in range(1, chip.p_cores + chip.e_cores + 1):
@@ -453,7 +368,7 @@ def search_grid(chip: ChipSpec, shape: ModelShape, batch_choices=(128, 256, 512,
                                   n_ubatch=min(512, batch))
 
 
-def optimum(chip: ChipSpec, shape: ModelShape, objective: str = "tg", n_prompt: int = 512,
+def optimum(chip: Fingerprint, shape: ModelShape, objective: str = "tg", n_prompt: int = 512,
             n_gen: int = 128, scenario: str = "calibrated") -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
     best = None
@@ -485,7 +400,7 @@ def _objective(pred: Prediction, objective: str, n_prompt: int, n_gen: int) -> f
 class SimulatedNode:
     """A simulated Mac: measures through the model, with noise, heat and simulated time."""
 
-    chip: ChipSpec
+    chip: Fingerprint
     shape_for: callable = None  # model path -> ModelShape
     scenario: str = "calibrated"
     noise_cv: float = 0.03
@@ -522,7 +437,7 @@ class SimulatedNode:
             return TrialResult.failure(spec.trial_key, pred.reason, simulated=True, started_at=started,
                                        finished_at=time.time())
         rng = random.Random(f"{self.seed}:{spec.trial_key}:{spec.params}")
-        throttle = self.THROTTLE_FACTOR if (self.chip.fanless and self.heat > self.THROTTLE_AFTER_S) else 1.0
+        throttle = self.THROTTLE_FACTOR if (fanless(self.chip) and self.heat > self.THROTTLE_AFTER_S) else 1.0
         samples, sim_seconds = [], shape.file_bytes / 5e9  # load from SSD at ~5 GB/s
         for kind, n_tokens, rate in (("pp", w.n_prompt, pred.pp_tps), ("tg", w.n_gen, pred.tg_tps)):
             if n_tokens <= 0:
@@ -546,5 +461,5 @@ class SimulatedNode:
         )
 
 
-def with_memory(chip: ChipSpec, memory_gb: int) -> ChipSpec:
-    return replace(chip, memory_gb=memory_gb)
+def with_memory(chip: Fingerprint, memory_gb: float) -> Fingerprint:
+    return replace(chip, memory_bytes=int(memory_gb * GIB))

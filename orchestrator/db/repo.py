@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -26,6 +27,9 @@ from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
 from workers.trial import TrialResult
+
+if TYPE_CHECKING:  # learn is the head's logic, not a dependency of the database layer
+    from orchestrator.learn import RecommendationDraft
 
 
 def _ts(value: float | None) -> datetime | None:
@@ -50,6 +54,16 @@ def upsert_chip(session: Session, fp: Fingerprint) -> Chip:
     chip.memory_bytes, chip.bandwidth_gbs, chip.backend = fp.memory_bytes, fp.bandwidth_gbs, fp.backend
     session.flush()
     return chip
+
+
+def fingerprint_of_chip(row: Chip) -> Fingerprint:
+    """A chip row as the hardware record (what its nodes share; no node's OS)."""
+    return Fingerprint(
+        chip=row.name, chip_key=row.key, vendor=row.vendor, p_cores=row.p_cores, e_cores=row.e_cores,
+        logical_cores=row.logical_cores, gpu_cores=row.gpu_cores, gpu_name=row.gpu_name,
+        gpu_memory_bytes=None, memory_bytes=row.memory_bytes, bandwidth_gbs=row.bandwidth_gbs, os=None,
+        backend=row.backend, gpu_offload=row.backend != "cpu",
+    )
 
 
 def upsert_node(
@@ -400,7 +414,37 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
     return list(session.scalars(query).unique())
 
 
-def add_recommendation(session: Session, **fields) -> Recommendation:
+@dataclass(frozen=True)
+class NewRecommendation:
+    """A recommendation to store: what ``learn.recommend`` drafted for (chip, model, objective,
+    workload), and the study it came from."""
+
+    chip_id: int
+    model_id: int
+    study_id: int | None
+    objective: str
+    n_prompt: int
+    n_gen: int
+    draft: RecommendationDraft
+    source: str = "study"
+
+    def columns(self) -> dict:
+        d = self.draft
+        return {
+            "chip_id": self.chip_id, "model_id": self.model_id, "study_id": self.study_id,
+            "objective": self.objective, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "params": d.params.to_dict(), "expected_tps": d.expected_tps, "interval_low": d.interval_low,
+            "interval_high": d.interval_high, "expected_pp_tps": d.expected_pp_tps,
+            "expected_tg_tps": d.expected_tg_tps, "baseline_tps": d.baseline_tps,
+            "improvement": d.improvement, "evidence": d.evidence, "simulated": d.simulated,
+            "source": self.source,
+        }
+
+
+def add_recommendation(session: Session, new: NewRecommendation | None = None, **fields) -> Recommendation:
+    """Store the next version of a recommendation (``new``; keyword fields are the older form)."""
+    if new is not None:
+        fields = new.columns()
     version = (
         session.scalar(
             select(func.max(Recommendation.version)).where(
