@@ -48,14 +48,13 @@ MODEL = "sim://llama2-7b/q4_0"
 
 def drive(args) -> int:
     """Run (or resume) one study per ``--chips`` chip over in-process simulated nodes."""
-    from bench.dispatch_throughput import VirtualFleet
     from orchestrator.db import open_database
     from orchestrator.stopping import StopRequest, pause_on_signals
     from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
     from orchestrator.tune import run_studies
+    from orchestrator.virtual import VirtualFleet
     from workers import simulated
     from workers.errors import BadInput
-    from workers.hardware import Fingerprint
     from workers.trial import Workload
 
     stop = StopRequest()
@@ -66,12 +65,12 @@ def drive(args) -> int:
             for i, label in enumerate(CHIPS[: args.chips]):
                 chip = simulated.parse_chip(label)
                 fleet = VirtualFleet(chip, args.nodes, args.trial_s, prefix=f"chip{i}", seed=args.seed)
-                target = ChipTarget(Fingerprint.from_dict(chip.fingerprint()), {}, simulated=True)
+                target = ChipTarget(chip, {}, simulated=True)
                 name = f"{args.study}-{i}" if args.study and args.chips > 1 else args.study
                 cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
                                   n_trials=args.trials, sampler=args.sampler, seed=args.seed, confirm_top=2,
                                   name=name, resume=args.resume)
-                runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive, stop=stop)
+                runner = StudyRunner(db, fleet, cfg, target, alive_nodes=fleet.alive_nodes, stop=stop)
                 runner.prepare()
                 runners.append(runner)
             outcomes = run_studies(runners, stop)
@@ -449,7 +448,7 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                 cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
                                   n_trials=h.trials, sampler="tpe", seed=h.rng.randrange(1000), confirm_top=2,
                                   name=study, resume=attempt > 0)
-                runner = StudyRunner(db, dispatch.Dispatcher(), cfg, ChipTarget(plan.fingerprint, {}, True),
+                runner = StudyRunner(db, dispatch.RayDispatcher(), cfg, ChipTarget(plan.fingerprint, {}, True),
                                      alive_nodes=dispatch.ChipNodes(key, ttl_s=0))
                 runner.no_node_grace_s = 3.0
                 runner.prepare()

@@ -184,12 +184,12 @@ def audit(run: StudyRunner, max_versions: int | None = 1):
     return report
 
 
-class FlakyResults(InstantFleet):
+class FlakyResults(VirtualFleet):
     """A fleet whose ``result`` raises on its ``n``-th call: an exception while a round's results
     are being collected (the results before it in the round were already taken)."""
 
     def __init__(self, n_nodes: int, fail_at: int, exc: type[BaseException]) -> None:
-        super().__init__(n_nodes)
+        super().__init__(CHIP, n_nodes, trial_s=0.0, per_wait=7, prefix="node", seed=3)
         self.calls, self.fail_at, self.exc = 0, fail_at, exc
 
     def result(self, ref, trial_key):
@@ -207,7 +207,7 @@ def test_an_exception_while_collecting_loses_nothing(db_url, exc):
     if exc is RuntimeError:
         run._pause("test")  # what the CLI's error path leaves: a study to resume
     audit(run)  # Optuna and fleettune agree on every trial, nothing running
-    resumed = runner(db_url, InstantFleet(8), name="flaky", resume=True, n_trials=None)
+    resumed = runner(db_url, instant_fleet(8), name="flaky", resume=True, n_trials=None)
     assert resumed.run().n_complete == 30
     assert audit(resumed).complete == 30
 
@@ -216,21 +216,21 @@ def test_a_stop_request_pauses_and_resume_completes(db_url):
     from orchestrator.stopping import StopRequest
 
     stop = StopRequest()
-    run = runner(db_url, InstantFleet(8), name="asked", n_trials=30,
+    run = runner(db_url, instant_fleet(8), name="asked", n_trials=30,
                  on_progress=lambda p: p.done >= 10 and stop.request("SIGTERM"))
     run.stop = stop
     with pytest.raises(StudyPaused, match="SIGTERM"):
         run.run()
     report = audit(run)
     assert report.state == "paused" and 10 <= report.complete < 30
-    assert runner(db_url, InstantFleet(8), name="asked", resume=True, n_trials=None).run().n_complete == 30
+    assert runner(db_url, instant_fleet(8), name="asked", resume=True, n_trials=None).run().n_complete == 30
 
 
 def test_grid_with_a_budget_above_its_size_completes(sqlite_url):
     from orchestrator.samplers import grid_size
     from orchestrator.space import SearchSpace
 
-    run = runner(sqlite_url, InstantFleet(8), name="grid", sampler="grid", n_trials=100_000)
+    run = runner(sqlite_url, instant_fleet(8), name="grid", sampler="grid", n_trials=100_000)
     run.prepare()
     size = grid_size(SearchSpace.from_dict(run.space.to_dict()))
     assert run.budget == size
@@ -240,45 +240,45 @@ def test_grid_with_a_budget_above_its_size_completes(sqlite_url):
 
 
 def test_resume_keeps_the_budget_sampler_and_reps_it_was_created_with(sqlite_url):
-    first = runner(sqlite_url, InstantFleet(4), on_progress=None, name="budget", n_trials=12,
+    first = runner(sqlite_url, instant_fleet(4), on_progress=None, name="budget", n_trials=12,
                    sampler="random", reps=2)
     first.prepare()
     first.stop.request("test")  # paused before any trial
     with pytest.raises(StudyPaused):
         first.run()
-    again = runner(sqlite_url, InstantFleet(4), name="budget", resume=True, n_trials=None, sampler="auto")
+    again = runner(sqlite_url, instant_fleet(4), name="budget", resume=True, n_trials=None, sampler="auto")
     again.prepare()
     assert (again.budget, again.sampler, again.workload.reps) == (12, "random", 2)
     assert again.run().n_complete == 12
 
 
 def test_resuming_a_finished_study_changes_nothing(db_url):
-    first = runner(db_url, InstantFleet(8), name="done", n_trials=10)
+    first = runner(db_url, instant_fleet(8), name="done", n_trials=10)
     outcome = first.run()
     before = audit(first)
-    again = runner(db_url, InstantFleet(8), name="done", resume=True, n_trials=None)
+    again = runner(db_url, instant_fleet(8), name="done", resume=True, n_trials=None)
     repeat = again.run()
     after = audit(again)
     assert (after.complete, after.failed, after.recommendation_versions) == \
         (before.complete, before.failed, before.recommendation_versions) == (10, 0, 1)
     assert repeat.recommendation_version == outcome.recommendation_version == 1
     assert repeat.recommendation.params == outcome.recommendation.params
-    more = runner(db_url, InstantFleet(8), name="done", resume=True, n_trials=14)
+    more = runner(db_url, instant_fleet(8), name="done", resume=True, n_trials=14)
     assert more.run().n_complete == 14  # a larger budget continues it
 
 
-class LosesNodes(InstantFleet):
+class LosesNodes(VirtualFleet):
     """Every trial of the full-offload configuration loses its node."""
+
+    def __init__(self, n_nodes: int) -> None:
+        super().__init__(CHIP, n_nodes, trial_s=0.0, per_wait=7, prefix="node", seed=3)
 
     def result(self, ref, trial_key):
         from workers.trial import FailureKind, TrialResult
 
-        spec, _ = self.running[ref]
-        if spec.params.n_gpu_layers == 33:
-            self.running.pop(ref)
-            self.finished.remove(ref)
-            return TrialResult.failure(trial_key, "node lost", FailureKind.NODE_LOST)
-        return super().result(ref, trial_key)
+        full_offload = self.running[ref][0].params.n_gpu_layers == 33
+        result = super().result(ref, trial_key)
+        return TrialResult.failure(trial_key, "node lost", FailureKind.NODE_LOST) if full_offload else result
 
 
 def test_a_configuration_lost_on_too_many_nodes_is_failed_not_retried_forever(sqlite_url):
@@ -298,7 +298,7 @@ def test_a_configuration_lost_on_too_many_nodes_is_failed_not_retried_forever(sq
 def test_bad_study_options_are_refused_before_anything_is_written(sqlite_url, bad):
     from workers.errors import BadInput
 
-    run = runner(sqlite_url, InstantFleet(2), name="bad", **bad)
+    run = runner(sqlite_url, instant_fleet(2), name="bad", **bad)
     with pytest.raises(BadInput):
         run.prepare()
     with run.db.session() as s:
