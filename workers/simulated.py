@@ -110,6 +110,19 @@ class ChipSpec:
         return self.label.replace(" ", "_").replace("/", ".")
 
 
+MAX_SPEC_NUMBER = 4096  # above any Apple chip's GPU cores or memory GB
+
+
+def _count(text: str, parts: list[str], index: int, what: str) -> int | None:
+    """A chip spec's numeric part (GPU cores, memory GB), or None where it is left out."""
+    if len(parts) <= index or not parts[index]:
+        return None
+    if not re.fullmatch(r"[0-9]{1,4}", parts[index]) or not 0 < int(parts[index]) <= MAX_SPEC_NUMBER:
+        raise BadInput(f"bad chip {text!r}: {what} {parts[index]!r} is not a whole number from 1 to "
+                       f"{MAX_SPEC_NUMBER}")
+    return int(parts[index])
+
+
 def parse_chip(text: str) -> ChipSpec:
     """"M2 Ultra/76" or "M2 Ultra/76/192" (family / GPU cores / memory GB) into a chip bin.
 
@@ -118,8 +131,10 @@ def parse_chip(text: str) -> ChipSpec:
     if "/" not in text and "." in text:
         text = text.replace("_", " ").replace(".", "/")
     parts = [p.strip() for p in text.split("/")]
+    if len(parts) > 3:
+        raise BadInput(f"bad chip {text!r}: expected FAMILY[/GPU cores[/memory GB]], e.g. \"M2 Ultra/76/192\"")
     family = re.sub(r"^apple\s+", "", parts[0], flags=re.I)
-    gpu = int(parts[1]) if len(parts) > 1 and parts[1] else None
+    gpu = _count(text, parts, 1, "GPU cores")
     bins = [b for b in chip_table() if b.family.lower() == family.lower()]
     if not bins:
         families = sorted({b.family for b in chip_table()})
@@ -130,7 +145,7 @@ def parse_chip(text: str) -> ChipSpec:
             options = ", ".join(str(b.gpu_cores) for b in apple_bins(family))
             raise BadInput(f"unknown chip {text!r}: {family} comes with {options} GPU cores")
     b = max(bins, key=lambda b: (b.gpu_cores, b.p_cores))
-    memory = int(parts[2]) if len(parts) > 2 and parts[2] else BASE_MEMORY_GB[b.family]
+    memory = _count(text, parts, 2, "memory GB") or BASE_MEMORY_GB[b.family]
     return ChipSpec(b.family, b.p_cores, b.e_cores, b.gpu_cores, b.bandwidth_gbs, memory,
                     fanless=" " not in b.family)
 
