@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.orm import Session, joinedload
 
 from orchestrator.db.models import (
@@ -22,6 +22,7 @@ from orchestrator.db.models import (
 from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
+from workers.objective import OBJECTIVES
 from workers.trial import TrialResult
 
 
@@ -275,6 +276,19 @@ def study_trials(session: Session, study_id: int, phase: str | None = None) -> l
 # ---------------------------------------------------------------- queries for the CLI
 
 
+def _chip_matches(chip: str):
+    """A chip key, or a prefix of keys up to a dash; ``%`` and ``_`` are the user's characters,
+    never LIKE wildcards."""
+    return or_(Chip.key == chip, Chip.key.startswith(chip + "-", autoescape=True))
+
+
+def _best_first():
+    """A sort key that puts each trial's best values first, by its study's objective direction
+    (seconds of e2e ascending, tok/s descending)."""
+    minimised = [o.name for o in OBJECTIVES.values() if not o.maximize]
+    return case((Study.objective.in_(minimised), Trial.objective_value), else_=-Trial.objective_value)
+
+
 @dataclass(frozen=True)
 class ResultFilter:
     chip: str | None = None
@@ -295,10 +309,10 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
                  joinedload(Trial.node))
     )
     if flt.chip:
-        query = query.where(or_(Chip.key == flt.chip, Chip.key.startswith(flt.chip + "-")))
+        query = query.where(_chip_matches(flt.chip))
     if flt.model:
         ref = flt.model.lower()
-        query = query.where(or_(func.lower(Model.name) == ref, Model.sha256.startswith(ref)))
+        query = query.where(or_(func.lower(Model.name) == ref, Model.sha256.startswith(ref, autoescape=True)))
     if flt.study:
         query = query.where(Study.name == flt.study)
     if flt.state:
@@ -307,10 +321,16 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
         query = query.where(Trial.simulated == flt.simulated)
     if flt.top:
         query = query.where(Trial.objective_value.is_not(None))
-        query = query.order_by(Trial.objective_value.desc(), Trial.id).limit(flt.top)
+        query = query.order_by(_best_first(), Trial.id).limit(flt.top)
     else:
         query = query.order_by(Trial.id)
     return list(session.scalars(query).unique())
+
+
+def studies_from_source(session: Session, source_sha256: str) -> list[str]:
+    """Names of the studies imported from a file with these bytes (oldest first)."""
+    return list(session.scalars(select(Study.name).where(Study.source_sha256 == source_sha256)
+                                .order_by(Study.id)))
 
 
 def add_recommendation(session: Session, **fields) -> Recommendation:
@@ -343,7 +363,7 @@ def latest_recommendations(
         .where(Recommendation.model_id.in_(model_ids))
     )
     if chip_key:
-        query = query.where(or_(Chip.key == chip_key, Chip.key.startswith(chip_key + "-")))
+        query = query.where(_chip_matches(chip_key))
     if objective:
         query = query.where(Recommendation.objective == objective)
     rows = list(session.scalars(query.order_by(Recommendation.version.desc())).unique())
