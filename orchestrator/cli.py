@@ -16,7 +16,7 @@ from orchestrator.report import FORMATS, Column, human_bytes, human_params, rend
 from workers.errors import BadInput, FleettuneError
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 
-EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
+EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")  # llamabench.EXPORT_FORMATS
 
 EXIT_BAD_INPUT = 2
 EXIT_PAUSED = 3
@@ -196,20 +196,6 @@ def model_push(model_ref, chip_key, address, db_url, fmt) -> None:
 # ---------------------------------------------------------------- bench
 
 
-BENCH_COLUMNS = [
-    Column("model", "model"),
-    Column("size", "size", justify="right"),
-    Column("params", "params", justify="right"),
-    Column("backend", "backend"),
-    Column("ngl", "ngl", justify="right"),
-    Column("threads", "t", justify="right"),
-    Column("n_batch", "b", justify="right"),
-    Column("n_ubatch", "ub", justify="right"),
-    Column("test", "test", justify="right"),
-    Column("tps", "t/s", justify="right", no_wrap=True),
-]
-
-
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
 @click.option("--ngl", "-ngl", default=0, show_default=True, help="Layers offloaded to the GPU.")
@@ -227,7 +213,7 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
           timeout, db_url, fmt) -> None:
     """Measure one configuration on this machine (llama-bench's method and table)."""
     from orchestrator import registry
-    from orchestrator.report import bench_rows
+    from orchestrator.llamabench import TABLE_LAYOUT, bench_rows
     from workers.bench import bench_local, default_threads
     from workers.hardware import fingerprint_live
     from workers.trial import BenchParams, Workload
@@ -236,7 +222,7 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
     params = BenchParams(n_gpu_layers=ngl, n_threads=threads or default_threads(fingerprint_live()),
                          n_batch=batch, n_ubatch=ubatch or min(512, batch), flash_attn=flash_attn)
     fp, result = bench_local(info, params, Workload(prompt_tokens, gen_tokens, reps), timeout)
-    click.echo(render(bench_rows(info, fp, params, result), BENCH_COLUMNS, fmt))
+    click.echo(render(bench_rows(info, fp, params, result), TABLE_LAYOUT, fmt))
     if not result.ok:
         raise FleettuneError(f"trial failed: {result.error}")
 
@@ -401,7 +387,7 @@ RESULT_COLUMNS = [
 @click.option("--study", help="Study name.")
 @click.option("--state", default="complete", show_default=True,
               type=click.Choice(["complete", "failed", "running", "all"]))
-@click.option("--top", type=int, help="Only the N best by the study's objective.")
+@click.option("--top", type=click.IntRange(min=1), help="Only the N best by each study's objective.")
 @db_option
 @output_options()
 def results(chip, model_ref, study, state, top, db_url, fmt) -> None:
@@ -766,13 +752,18 @@ def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
     db = _open_db(db_url)
     model_info = registry.resolve(db, model_ref) if model_ref else None
     report = llamabench.import_file(db, path, chip_key=chip_key, model=model_info)
+    if report.already:
+        click.echo(f"{path}: already imported as study {report.already}; nothing written")
+        return
+    if not report.trials:
+        first = f" (line {report.problems[0][0]}: {report.problems[0][1]}" if report.problems else ""
+        more = f"; {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ")"
+        raise BadInput(f"{path}: nothing imported{first}{more if first else ''}")
     for line, reason in report.problems:
         click.echo(f"{path}:{line}: skipped: {reason}", err=True)
     record = {"trials": report.trials, "rows": report.rows, "skipped": len(report.problems),
               "studies": report.studies}
     click.echo(render_record(record, fmt))
-    if not report.trials:
-        raise BadInput(f"{path}: nothing imported")
 
 
 @main.command("export")
@@ -787,19 +778,19 @@ def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
 def export(fmt, study, chip, model_ref, simulated, out, db_url) -> None:
     """Write trials as llama-bench would have printed them (JSON, JSONL, CSV) or its markdown table."""
     from orchestrator import llamabench, queries
+    from workers.files import atomic_output, check_writable
 
+    if out:
+        check_writable(out)  # before the query: a bad path is one line, whatever the database holds
     trials = queries.export_rows(_open_db(db_url), chip=chip, model=model_ref, study=study,
                                  simulated=simulated)
-    text = llamabench.write(llamabench.export_records(trials), fmt)
+    records = llamabench.export_records(trials)
     if out:
-        from pathlib import Path
-
-        part = Path(out).with_name(Path(out).name + ".part")
-        part.write_text(text)
-        part.replace(out)
+        with atomic_output(out) as file:
+            llamabench.write(records, fmt, file)
         click.echo(f"wrote {len(trials)} trials to {out}", err=True)
     else:
-        click.echo(text, nl=False)
+        llamabench.write(records, fmt, sys.stdout)
 
 
 @main.command()
