@@ -930,13 +930,16 @@ def sim() -> None:
     """The calibrated Apple Silicon performance model (simulated, never mixed with real data)."""
 
 
+MAX_TOKENS = 2**31 - 1
+
+
 def sim_options(func):
     for option in reversed([
         click.option("--chip", "chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
         click.option("--model-shape", required=True, help="llama2-7b | llama3-8b | llama2-13b | PATH.gguf"),
         click.option("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape."),
-        click.option("-p", "--prompt-tokens", default=512, show_default=True),
-        click.option("-n", "--gen-tokens", default=128, show_default=True),
+        click.option("-p", "--prompt-tokens", type=click.IntRange(0, MAX_TOKENS), default=512, show_default=True),
+        click.option("-n", "--gen-tokens", type=click.IntRange(0, MAX_TOKENS), default=128, show_default=True),
         click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
                      show_default=True),
     ]):
@@ -957,10 +960,12 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 
 @sim.command("predict")
 @sim_options
-@click.option("--ngl", "-ngl", default=99, show_default=True, help="GPU layers (beyond the model: all).")
-@click.option("-t", "--threads", default=8, show_default=True)
-@click.option("-b", "--batch", default=512, show_default=True)
-@click.option("--ub", "-ub", "ubatch", type=int, help="Physical batch (default: min(512, batch)).")
+@click.option("--ngl", "-ngl", type=click.IntRange(0, 9999), default=99, show_default=True,
+              help="GPU layers (beyond the model: all).")
+@click.option("-t", "--threads", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("-b", "--batch", type=click.IntRange(1, MAX_TOKENS), default=512, show_default=True)
+@click.option("--ub", "-ub", "ubatch", type=click.IntRange(1, MAX_TOKENS),
+              help="Physical batch (default: min(512, batch)).")
 @output_options()
 def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenario, ngl, threads, batch,
                 ubatch, fmt) -> None:

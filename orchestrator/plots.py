@@ -144,7 +144,10 @@ def importance(db: Database, study: str) -> Bars:
     import optuna
 
     _study_rows(db, study)  # a clear error for an unknown or empty study
-    optuna_study = optuna.load_study(study_name=study, storage=db.url_string)
+    try:
+        optuna_study = optuna.load_study(study_name=study, storage=db.url_string)
+    except KeyError:  # an imported study: measured elsewhere, never searched by Optuna
+        raise BadInput(f"study {study!r} has no Optuna trials (imported?): no importance to compute") from None
     complete = [t for t in optuna_study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(complete) < 3:
         raise BadInput(f"study {study!r}: parameter importance needs 3 or more completed trials")

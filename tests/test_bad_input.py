@@ -85,6 +85,17 @@ def test_sim_predict_with_a_malformed_chip_is_one_line(chip):
     one_line_error(cli("sim", "predict", "--chip", chip, "--model-shape", "llama2-7b"), "chip")
 
 
+@pytest.mark.parametrize("option", [["-t", "0"], ["-b", "0"], ["--ub", "0"], ["-p", "-5"], ["--ngl", "-3"]])
+def test_sim_predict_refuses_impossible_configurations(option):
+    result = cli("sim", "predict", "--chip", "M2 Ultra/76", "--model-shape", "llama2-7b", *option)
+    assert result.exit_code == 2 and "Traceback" not in result.output and result.stdout == ""
+
+
+def test_sim_optimum_of_an_objective_with_no_tokens_is_one_line():
+    one_line_error(cli("sim", "optimum", "--chip", "M2 Ultra/76", "--model-shape", "llama2-7b", "-n", "0",
+                       "--objective", "tg"), "needs --gen-tokens")
+
+
 def test_fleet_simulate_with_a_malformed_mix_is_one_line_and_starts_nothing():
     one_line_error(cli("fleet", "simulate", "--mix", "M2 Ultra/x:2"), "GPU cores 'x'")
 
@@ -137,6 +148,12 @@ def test_plot_into_an_unwritable_place_is_one_line(imported_url):
     study = json.loads(ok("results", "--db", imported_url, "--json").stdout)[0]["study"]
     one_line_error(cli("plot", "heatmap", "--study", study, "-o", "/proc/x.png", "--db", imported_url),
                    "cannot write /proc/x.png")
+
+
+def test_the_importance_of_an_imported_study_is_one_line(imported_url, tmp_path):
+    study = json.loads(ok("results", "--db", imported_url, "--json").stdout)[0]["study"]
+    one_line_error(cli("plot", "importance", "--study", study, "-o", tmp_path / "i.png", "--db", imported_url),
+                   "no Optuna trials")
 
 
 def test_the_history_of_a_study_without_search_trials_is_one_line(imported_url, tmp_path):

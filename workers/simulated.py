@@ -471,6 +471,9 @@ def search_grid(chip: ChipSpec, shape: ModelShape, batch_choices=(128, 256, 512,
 def optimum(chip: ChipSpec, shape: ModelShape, objective: str = "tg", n_prompt: int = 512,
             n_gen: int = 128, scenario: str = "calibrated") -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
+    from workers.objective import objective as named_objective
+
+    named_objective(objective).check_workload(n_prompt, n_gen)  # tg of 0 tokens has no optimum
     best = None
     for params in search_grid(chip, shape):
         pred = predict(chip, shape, params, n_prompt, n_gen, scenario)

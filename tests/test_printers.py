@@ -1,0 +1,99 @@
+"""The printer registry: every format by name, the same rows through each; JSON byte-for-byte what
+json.dumps writes (so streaming changed no output); tables and markdown print names as text."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from datetime import datetime
+
+import pytest
+
+from orchestrator import llamabench
+from orchestrator.report import Column, create_printer, formats, render, render_record
+from workers.errors import BadInput
+
+COLUMNS = [Column("name", "name"), Column("value", "v", ".1f", "right")]
+
+
+def _rows(seed: int, n: int) -> list[dict]:
+    rng = random.Random(seed)
+    texts = ["a", "b c", "[/x]", "[bold]y[/bold]", "é ± µ", "q\"uote", "new\nline", "pipe|d", ""]
+    return [{"name": rng.choice(texts), "value": rng.choice([None, -1.25, 3, 1e300, True]),
+             "when": datetime(2026, 1, 2, 3, 4, 5), "list": [1, {"k": rng.choice(texts)}]} for _ in range(n)]
+
+
+def test_every_format_is_registered_by_name():
+    assert set(formats()) >= {"table", "json", "ndjson", "csv", "md", "llama-bench-json", "llama-bench-jsonl",
+                              "llama-bench-csv"}
+    with pytest.raises(BadInput, match="unknown format 'xml'"):
+        create_printer("xml", io.StringIO())
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_json_and_ndjson_stream_exactly_what_json_dumps_writes(n):
+    rows = _rows(n, n)
+    plain = [{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in r.items()} for r in rows]
+    assert render(rows, COLUMNS, "json") == json.dumps(plain, indent=2, default=str)
+    assert render(rows, COLUMNS, "ndjson") == "\n".join(json.dumps(r, default=str) for r in plain)
+    out = io.StringIO()
+    printer = create_printer("json", out)
+    printer.print_header()
+    for row in rows:
+        printer.print_row(row)
+        assert out.getvalue().count('"name"') == rows.index(row) + 1  # written as it comes, not at the end
+    printer.print_footer()
+    assert json.loads(out.getvalue()) == plain
+
+
+def test_csv_round_trips_text_and_keeps_every_key():
+    rows = [{"name": "plain, with comma", "value": 1.5}, {"name": 'q"uote\r\nline', "extra": -2}]
+    back = list(csv.DictReader(io.StringIO(render(rows, COLUMNS, "csv"))))
+    assert back == [{"name": "plain, with comma", "value": "1.5", "extra": ""},
+                    {"name": 'q"uote\r\nline', "value": "", "extra": "-2"}]
+
+
+def test_table_prints_names_as_text_never_markup():
+    rows = [{"name": "[/x]", "value": 1.0}, {"name": "[bold red]loud[/]", "value": None}]
+    table = render(rows, COLUMNS, "table", title="[/title]")
+    assert "[/x]" in table and "[bold red]loud[/]" in table and "[/title]" in table
+    assert render_record({"chip": "[/x]"}, "table").splitlines()[1].split() == ["chip", "[/x]"]
+
+
+def test_markdown_cells_cannot_break_the_table():
+    text = render([{"name": "a|b\nc", "value": 2.0}], COLUMNS, "md")
+    assert text.splitlines() == ["| name | v |", "| --- | ---: |", "| a\\|b c | 2.0 |"]
+
+
+def test_one_record_in_every_query_format():
+    record = {"trials": 4, "studies": ["s"]}
+    assert json.loads(render_record(record, "json")) == record
+    assert json.loads(render_record(record, "ndjson")) == record
+    assert list(csv.DictReader(io.StringIO(render_record(record, "csv")))) == [{"trials": "4", "studies": '["s"]'}]
+    assert "| trials | 4 |" in render_record(record, "md")
+
+
+def test_llama_bench_table_is_one_layout_for_bench_and_markdown():
+    """`fleettune bench`'s table and `export --format md` come from one column list and one cell
+    function: the same cells, short headers in the 80-column table, llama-bench's in markdown."""
+    from workers.trial import BenchParams
+
+    record = llamabench.llama_bench_record(
+        params=BenchParams(n_gpu_layers=99, n_threads=4, n_batch=512, n_ubatch=256), kind="tg",
+        samples=[(128, 1.0), (128, 1.1)], build_commit="abc", cpu_info="Apple M2 Ultra", gpu_info="Apple M2 Ultra",
+        backend="metal", model_filename="/m/llama.gguf", model_type="llama Q4_0", model_size=3 * 1024**3,
+        model_n_params=7_000_000_000, test_time="")
+    cells = llamabench.table_cells(record)
+    assert cells == {"model": "llama Q4_0", "size": "3.00 GiB", "params": "7.00 B", "backend": "Metal", "ngl": 99,
+                     "threads": 4, "n_batch": 512, "n_ubatch": 256, "test": "tg128", "tps": "122.18 ± 8.23"}
+    md = io.StringIO()
+    llamabench.write([record], "md", md)
+    assert md.getvalue().splitlines()[0] == ("| model | size | params | backend | ngl | threads | n_batch | n_ubatch "
+                                             "| test | t/s |")
+    assert md.getvalue().splitlines()[2] == ("| llama Q4_0 | 3.00 GiB | 7.00 B | Metal | 99 | 4 | 512 | 256 | tg128 "
+                                             "| 122.18 ± 8.23 |")
+    table = render([record], llamabench.TABLE_LAYOUT, "table").splitlines()
+    assert table[0].split() == ["model", "size", "params", "backend", "ngl", "t", "b", "ub", "test", "t/s"]
+    assert "122.18 ± 8.23" in table[1] and max(len(line) for line in table) <= 80
