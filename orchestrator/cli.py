@@ -290,6 +290,7 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
          chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
@@ -310,7 +311,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
     if all_chips:
         def report(chip, p):
             if not quiet and p.last is not None and p.phase == "search":
-                console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}")
+                console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}",
+                              markup=False)
 
         outcomes = tune_all_chips(db, cfg, address=address, on_progress=report, warm=warm)
         rows = [{**_outcome_record(o, cfg),
@@ -325,8 +327,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
         with progress:
             outcome = run_tune(
                 db, cfg, address=address, chip_key=chip_key, on_progress=update, warm=warm,
-                on_ready=lambda r: console.print(f"study [bold]{r.name}[/] on {r.target.key} "
-                                                 f"({db.display_url})"),
+                on_ready=lambda r: console.print(f"study [bold]{escape(r.name)}[/] on {escape(r.target.key)} "
+                                                 f"({escape(db.display_url)})"),
             )
     click.echo(render_record(_outcome_record(outcome, cfg), fmt))
 

@@ -252,6 +252,16 @@ def test_a_dollar_in_a_study_name_is_no_formula_in_a_png(sqlite_url, tmp_path):
     assert (tmp_path / "h.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_html_in_a_study_name_is_shown_not_run_in_an_html_plot(sqlite_url, tmp_path):
+    path = tmp_path / "<img src=x onerror=alert(1)>.json"
+    path.write_text((FIXTURES / "smollm2.json").read_text())
+    ok("import", "llama-bench", path, "--db", sqlite_url)
+    study = json.loads(ok("results", "--db", sqlite_url, "--json").stdout)[0]["study"]
+    ok("plot", "heatmap", "--study", study, "-o", tmp_path / "h.html", "--db", sqlite_url)
+    page = (tmp_path / "h.html").read_text()
+    assert "&lt;img src=x onerror=alert(1)&gt;" in page and "<img src=x" not in page
+
+
 # ---------------------------------------------------------------- issue 14: output safety
 
 
