@@ -213,7 +213,7 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
           timeout, db_url, fmt) -> None:
     """Measure one configuration on this machine (llama-bench's method and table)."""
     from orchestrator import registry
-    from orchestrator.llamabench import TABLE_LAYOUT, bench_rows
+    from orchestrator.llamabench import BENCH_LAYOUT, bench_rows
     from workers.bench import bench_local, default_threads
     from workers.hardware import fingerprint_live
     from workers.trial import BenchParams, Workload
@@ -222,7 +222,7 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
     params = BenchParams(n_gpu_layers=ngl, n_threads=threads or default_threads(fingerprint_live()),
                          n_batch=batch, n_ubatch=ubatch or min(512, batch), flash_attn=flash_attn)
     fp, result = bench_local(info, params, Workload(prompt_tokens, gen_tokens, reps), timeout)
-    click.echo(render(bench_rows(info, fp, params, result), TABLE_LAYOUT, fmt))
+    click.echo(render(bench_rows(info, fp, params, result), BENCH_LAYOUT, fmt))
     if not result.ok:
         raise FleettuneError(f"trial failed: {result.error}")
 
@@ -389,7 +389,8 @@ RESULT_COLUMNS = [
 @click.option("--study", help="Study name.")
 @click.option("--state", default="complete", show_default=True,
               type=click.Choice(["complete", "failed", "running", "all"]))
-@click.option("--top", type=click.IntRange(min=1), help="Only the N best by each study's objective.")
+@click.option("--top", type=click.IntRange(min=1),
+              help="Only the N best by objective value, each in its study's direction (e2e: fewest seconds).")
 @db_option
 @output_options()
 def results(chip, model_ref, study, state, top, db_url, fmt) -> None:

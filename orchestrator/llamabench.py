@@ -614,8 +614,8 @@ def table_cells(record: Mapping) -> dict:
     }
 
 
-# llama-bench's table, for `fleettune bench` (80 columns: short headers) and `export --format md`
-TABLE_LAYOUT = Layout((
+# llama-bench's table: `fleettune bench` (80 columns: short headers) and `export --format md`
+TABLE_COLUMNS = (
     Column("model", "model"),
     Column("size", "size", justify="right"),
     Column("params", "params", justify="right"),
@@ -626,7 +626,10 @@ TABLE_LAYOUT = Layout((
     Column("n_ubatch", "ub", justify="right", long_header="n_ubatch"),
     Column("test", "test", justify="right"),
     Column("tps", "t/s", justify="right", no_wrap=True),
-), cells=table_cells)
+)
+TABLE_LAYOUT = Layout(TABLE_COLUMNS, cells=table_cells)  # over llama-bench rows (FIELDS)
+BENCH_LAYOUT = Layout(TABLE_COLUMNS)  # over bench_rows, which carry the same cells
+
 
 # llama-bench's own formats, in the one printer registry
 register("llama-bench-json", JsonPrinter)

@@ -97,3 +97,29 @@ def test_llama_bench_table_is_one_layout_for_bench_and_markdown():
     table = render([record], llamabench.TABLE_LAYOUT, "table").splitlines()
     assert table[0].split() == ["model", "size", "params", "backend", "ngl", "t", "b", "ub", "test", "t/s"]
     assert "122.18 ± 8.23" in table[1] and max(len(line) for line in table) <= 80
+
+
+@pytest.mark.parametrize("fmt", ["table", "json", "ndjson", "csv", "md"])
+def test_bench_rows_print_in_every_format(fmt):
+    """`fleettune bench`'s rows carry llama-bench's cells plus the figures behind them."""
+    from workers.hardware import Fingerprint
+    from workers.models import ModelInfo
+    from workers.trial import BenchParams, Sample, TrialResult
+
+    fp = Fingerprint(chip="Apple M2", chip_key="apple-m2", vendor="Apple", p_cores=4, e_cores=4, logical_cores=8,
+                     gpu_cores=10, gpu_name="Apple M2", gpu_memory_bytes=None, memory_bytes=None, bandwidth_gbs=None,
+                     os=None, backend="metal", gpu_offload=True)
+    info = ModelInfo(sha256="a" * 64, path="/m.gguf", name="m", architecture="llama", n_layer=30,
+                     n_params=134_515_008, file_type="Q4_1", size_bytes=96_576_768, context_length=None)
+    result = TrialResult(trial_key="k", ok=True, load_s=0.3, peak_rss_bytes=123, samples=[
+        Sample("pp", 0, 16, 0.05), Sample("pp", 1, 16, 0.05), Sample("tg", 0, 4, 0.04), Sample("tg", 1, 4, 0.04)])
+    rows = llamabench.bench_rows(info, fp, BenchParams(n_gpu_layers=99, n_threads=2, n_batch=16, n_ubatch=16),
+                                 result)
+    assert [r["test"] for r in rows] == ["pp16", "tg4"]
+    assert list(rows[0])[:10] == [c.key for c in llamabench.TABLE_COLUMNS]
+    assert rows[1]["tps"] == "100.00 ± 0.00" and rows[1]["samples_ts"] == [100.0, 100.0]
+    text = render(rows, llamabench.BENCH_LAYOUT, fmt)
+    if fmt in ("json", "ndjson"):  # JSON writes ± as \u00b1
+        text = json.dumps([json.loads(line) for line in text.splitlines()] if fmt == "ndjson" else json.loads(text),
+                          ensure_ascii=False)
+    assert "100.00 ± 0.00" in text and "92.10 MiB" in text and "Metal" in text
