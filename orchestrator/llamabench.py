@@ -137,20 +137,27 @@ class SourceFile:
 
 
 def _lines(chunks: Iterable[str]) -> Iterator[str]:
-    """Lines (with their ends) of streamed text."""
-    rest = ""
+    """Lines (with their ends) of streamed text; each chunk is split once (a long line costs its
+    length, not its length times its chunks)."""
+    pending: list[str] = []
     for chunk in chunks:
-        rest += chunk
-        *complete, rest = rest.split("\n")
-        for line in complete:
-            yield line + "\n"
-    if rest:
+        *complete, tail = chunk.split("\n")
+        if complete:
+            yield "".join(pending) + complete[0] + "\n"
+            yield from (line + "\n" for line in complete[1:])
+            pending = []
+        pending.append(tail)
+    if rest := "".join(pending):
         yield rest
 
 
-def read_source(source: SourceFile) -> tuple[list[tuple[int, dict]], Problems]:
-    """(line, record) pairs from llama-bench JSON, JSONL or CSV, streamed, and (line, reason)
-    problems; the whole file is read (its sha256 is of every byte) even when parsing ends early."""
+Item = tuple[int, dict | str]  # (line, a record) or (line, why it is no record)
+
+
+def iter_source(source: SourceFile) -> Iterator[Item]:
+    """(line, record) for each llama-bench JSON, JSONL or CSV record, (line, reason) for each
+    problem, as the file streams; the whole file is read (its sha256 covers every byte) even when
+    parsing ends early."""
     chunks = source.chunks()
     head = ""
     for chunk in chunks:
@@ -162,14 +169,21 @@ def read_source(source: SourceFile) -> tuple[list[tuple[int, dict]], Problems]:
         raise BadInput(f"{source.path}: the file is empty")
     stream = itertools.chain([head], chunks)
     if stripped[0] == "[":
-        result = _json_array(stream)
+        yield from _json_array(stream)
     elif stripped[0] == "{":
-        result = _json_lines(_lines(stream))
+        yield from _json_lines(_lines(stream))
     else:
-        result = _csv(_lines(stream))
+        yield from _csv(_lines(stream))
     for _ in chunks:  # the rest of the file, for its hash and size
         pass
-    return result
+
+
+def read_source(source: SourceFile) -> tuple[list[tuple[int, dict]], Problems]:
+    """Every record and every problem of a file, apart."""
+    records, problems = [], []
+    for line, item in iter_source(source):
+        (records if isinstance(item, dict) else problems).append((line, item))
+    return records, problems
 
 
 def read_records(text: str) -> tuple[list[tuple[int, dict]], Problems]:
@@ -205,13 +219,12 @@ def _problem(exc: ValueError) -> str:
     return f"malformed JSON ({exc})"
 
 
-def _json_array(chunks: Iterator[str]) -> tuple[list, Problems]:
+def _json_array(chunks: Iterator[str]) -> Iterator[Item]:
     """llama-bench's ``-o json``: one array, each object decoded as soon as it is complete.
 
     Text already decoded is dropped (only the unparsed tail is held); a malformed object is
     reported by line and skipped to the next object start (llama-bench starts each on its own line).
     """
-    records, problems = [], []
     buf, pos, line_base, eof = "", 0, 1, False
 
     def more() -> bool:
@@ -237,29 +250,28 @@ def _json_array(chunks: Iterator[str]) -> tuple[list, Problems]:
             if pos < len(buf) or not more():
                 break
         if pos >= len(buf) or buf[pos] == "]":
-            return records, problems
+            return
         try:
             value, end = _decode(buf, pos)
         except ValueError as exc:
             if not eof and len(buf) - pos < MAX_OBJECT_CHARS and more():
                 continue  # maybe only cut off by the chunk's end: read on and try again
-            problems.append((line_at(pos), _problem(exc)))
-            while (nxt := buf.find("\n  {", pos + 1)) < 0:
+            yield line_at(pos), _problem(exc)
+            start = pos + 1
+            while (nxt := buf.find("\n  {", start)) < 0:
+                pos = start = max(start, len(buf) - 3)  # what was searched is dropped by more()
                 if not more():
-                    return records, problems
+                    return
+                start = 0
             pos = nxt + 1
             continue
         if end >= len(buf) and not eof and more():
             continue  # a number at the chunk's end may go on in the next chunk
-        if isinstance(value, dict):
-            records.append((line_at(pos), value))
-        else:
-            problems.append((line_at(pos), "not a JSON object"))
+        yield line_at(pos), value if isinstance(value, dict) else "not a JSON object"
         pos = end
 
 
-def _json_lines(lines: Iterable[str]) -> tuple[list, Problems]:
-    records, problems = [], []
+def _json_lines(lines: Iterable[str]) -> Iterator[Item]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -268,16 +280,12 @@ def _json_lines(lines: Iterable[str]) -> tuple[list, Problems]:
             if line[end:].strip():
                 raise json.JSONDecodeError("Extra data", line, end)
         except ValueError as exc:
-            problems.append((number, _problem(exc)))
+            yield number, _problem(exc)
             continue
-        if isinstance(value, dict):
-            records.append((number, value))
-        else:
-            problems.append((number, "not a JSON object"))
-    return records, problems
+        yield number, value if isinstance(value, dict) else "not a JSON object"
 
 
-def _csv(lines: Iterable[str]) -> tuple[list, Problems]:
+def _csv(lines: Iterable[str]) -> Iterator[Item]:
     reader = csv.DictReader(lines)
     try:
         fieldnames = reader.fieldnames or []
@@ -286,19 +294,18 @@ def _csv(lines: Iterable[str]) -> tuple[list, Problems]:
     missing = [f for f in REQUIRED if f not in fieldnames]
     if missing:
         raise BadInput(f"not llama-bench output (JSON, JSONL or CSV): no column {', '.join(missing)}")
-    records, problems = [], []
     while True:
         try:
             record = next(reader)
         except StopIteration:
-            return records, problems
+            return
         except csv.Error as exc:
-            problems.append((reader.line_num, f"malformed CSV ({exc})"))
+            yield reader.line_num, f"malformed CSV ({exc})"
             continue
         if None in record or any(v is None for v in record.values()):
-            problems.append((reader.line_num, "wrong number of columns"))
+            yield reader.line_num, "wrong number of columns"
             continue
-        records.append((reader.line_num, record))
+        yield reader.line_num, record
 
 
 def _int(record: dict, key: str, default: int | None = None, lo: int = 0, hi: int = INT32_MAX) -> int:
@@ -493,28 +500,36 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
     if chip_key is not None and not 0 < len(chip_key) <= MAX_CHIP_KEY_CHARS:
         raise BadInput(f"--chip must be 1 to {MAX_CHIP_KEY_CHARS} characters")
     source = SourceFile(file, MAX_IMPORT_BYTES if limit is None else limit)
-    records, problems = read_source(source)
+    rows: list[BenchRow] = []  # checked as they stream: the file's raw records are never all held
+    problems: Problems = []
+    for line, item in iter_source(source):
+        if isinstance(item, str):
+            problems.append((line, item))
+            continue
+        try:
+            rows.append(parse_record(line, item))
+        except (ValueError, TypeError, OverflowError) as exc:
+            problems.append((line, str(exc)))
     sha256 = source.sha256.hexdigest()
     with db.session() as s:
         earlier = repo.studies_from_source(s, sha256)
     if earlier:
         return ImportReport(already=earlier[0], source_sha256=sha256)
-    rows: list[BenchRow] = []
-    for line, record in records:
-        try:
-            rows.append(parse_record(line, record))
-        except (ValueError, TypeError, OverflowError) as exc:
-            problems.append((line, str(exc)))
     report = ImportReport(problems=sorted(problems), source_sha256=sha256)
     if not rows:
         return report
     with db.session() as s:  # one transaction: all of it or none
         groups = group_trials(rows)
         studies: dict[tuple, object] = {}
+        models: dict[tuple, ModelInfo] = {}
+        trials_of: dict[int, list[list[BenchRow]]] = {}  # study id -> its trials' rows
         for trial_rows in groups:
             first = trial_rows[0]
             fp = _chip_fingerprint(first, chip_key)
-            info = _model_for(s, first, model)
+            model_key = (Path(first.model_filename).name, first.model_n_params, first.model_size, first.model_type)
+            if model_key not in models:
+                models[model_key] = _model_for(s, first, model)
+            info = models[model_key]
             key = (fp.chip_key, info.sha256)
             if key not in studies:
                 chip = repo.upsert_chip(s, fp)
@@ -530,16 +545,20 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
                     message=f"imported from {file.name}"[:1000], source_sha256=sha256,
                 )
                 report.studies.append(name)
-            study = studies[key]
-            trial_id = repo.start_trial(s, study_id=study.id, optuna_number=None, phase=IMPORT_PHASE,
-                                        params=first.params.to_dict(), simulated=False)
-            result = _result(trial_rows)
-            tg = result.stats("tg")
-            repo.finish_trial(s, trial_id, result, objective_value=tg.median if tg else None,
-                              e2e_s=None, node_id=None)
-            repo.set_trial_llama_bench_stats(s, trial_id, {r.kind: (r.avg_ts, r.stddev_ts) for r in trial_rows})
-            report.trials += 1
-            report.rows += len(trial_rows)
+            trials_of.setdefault(studies[key].id, []).append(trial_rows)
+        for study_id, trials in trials_of.items():  # a few bulk statements per study, not per trial
+            ids = repo.start_trials(s, study_id, [repo.NewTrial(IMPORT_PHASE, t[0].params.to_dict()) for t in trials],
+                                    simulated=False)
+            finished = []
+            for trial_id, trial_rows in zip(ids, trials, strict=True):
+                result = _result(trial_rows)
+                tg = result.stats("tg")
+                finished.append(repo.FinishedTrial(trial_id, result, tg.median if tg else None, None, None))
+            repo.finish_trials(s, finished)
+            repo.set_trials_llama_bench_stats(s, {trial_id: {r.kind: (r.avg_ts, r.stddev_ts) for r in trial_rows}
+                                                  for trial_id, trial_rows in zip(ids, trials, strict=True)})
+            report.trials += len(trials)
+            report.rows += sum(len(t) for t in trials)
     return report
 
 

@@ -102,12 +102,11 @@ def test_a_file_that_fails_midway_leaves_the_database_as_it_was(sqlite_url, tmp_
     db = open_database(sqlite_url)
     calls = []
 
-    def failing(*args, **kwargs):
+    def failing(*args, **kwargs):  # after the trials and samples are written, before the commit
         calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("disk full")
+        raise RuntimeError("disk full")
 
-    monkeypatch.setattr(repo, "set_trial_llama_bench_stats", failing)
+    monkeypatch.setattr(repo, "set_trials_llama_bench_stats", failing)
     with pytest.raises(RuntimeError):
         llamabench.import_file(db, FIXTURES / "smollm2.json")
     assert queries.trial_rows(db, state=None) == []

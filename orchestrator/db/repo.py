@@ -247,15 +247,20 @@ def finish_trial(session: Session, trial_id: int, result: TrialResult, *, object
     finish_trials(session, [FinishedTrial(trial_id, result, objective_value, e2e_s, node_id)])
 
 
-def set_trial_llama_bench_stats(session: Session, trial_id: int, stats: dict[str, tuple[float, float]]) -> None:
-    """Keep llama-bench's own mean and stddev (per kind) on an imported trial."""
-    trial = session.get(Trial, trial_id)
-    for kind, (mean, stddev) in stats.items():
-        setattr(trial, f"{kind}_tps_mean", mean)
-        setattr(trial, f"{kind}_tps_stddev", stddev)
-        setattr(trial, f"{kind}_cv", stddev / mean if mean else None)
-        if getattr(trial, f"{kind}_tps_median") is None:
-            setattr(trial, f"{kind}_tps_median", mean)
+def set_trials_llama_bench_stats(session: Session, stats: dict[int, dict[str, tuple[float, float]]]) -> None:
+    """Keep llama-bench's own mean and stddev (per kind) on imported trials, in bulk: {trial id:
+    {kind: (mean, stddev)}}; each kind's median stays the one of its samples."""
+    rows = []
+    for trial_id, by_kind in stats.items():
+        row = {"id": trial_id}
+        for kind, (mean, stddev) in by_kind.items():
+            row |= {f"{kind}_tps_mean": mean, f"{kind}_tps_stddev": stddev, f"{kind}_cv": stddev / mean if mean else None}
+        rows.append(row)
+    by_shape: dict[tuple, list[dict]] = {}  # one executemany per set of columns
+    for row in rows:
+        by_shape.setdefault(tuple(sorted(row)), []).append(row)
+    for group in by_shape.values():
+        session.execute(update(Trial), group)
 
 
 def fail_running_trials(session: Session, study_id: int, reason: str) -> list[int]:
