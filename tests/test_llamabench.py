@@ -119,3 +119,24 @@ def test_not_llama_bench_output_is_one_line(sqlite_url, tmp_path):
     path.write_text("a,b\n1,2\n")
     result = run_cli("import", "llama-bench", path, "--db", sqlite_url, ok=False)
     assert result.exit_code == 2 and "not llama-bench output" in result.output
+
+
+@pytest.mark.parametrize("fmt", ["llama-bench-json", "llama-bench-jsonl", "llama-bench-csv"])
+def test_imported_trials_export_and_import_back_unchanged(sqlite_url, tmp_path, fmt):
+    """No Ray, no llama.cpp: the fixture in, out in each of llama-bench's formats, and in again."""
+    run_cli("import", "llama-bench", FIXTURES / "smollm2.json", "--db", sqlite_url)
+    out = tmp_path / f"ours.{fmt}"
+    run_cli("export", "--format", fmt, "--db", sqlite_url, "-o", out)
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    run_cli("import", "llama-bench", out, "--db", fresh)
+    original, back = queries.trial_rows(open_database(sqlite_url)), queries.trial_rows(open_database(fresh))
+    assert len(back) == len(original) == 4
+    means = [r["avg_ts"] for r in llamabench.export_records(queries.export_rows(open_database(sqlite_url)))
+             if r["n_prompt"]]  # what llama-bench's CSV carries instead of the samples
+    for a, b, mean in zip(original, back, means, strict=True):
+        assert (b["chip"], b["model"], b["params"]) == (a["chip"], a["model"], a["params"])
+        if fmt == "llama-bench-csv":  # six decimals, no samples: the median is the mean
+            assert b["pp_tps"] == pytest.approx(mean, rel=1e-6)
+        else:
+            assert b["pp_tps"] == pytest.approx(a["pp_tps"], rel=1e-6)
+        assert b["tg_stddev"] == pytest.approx(a["tg_stddev"], rel=1e-3)
