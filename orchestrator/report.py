@@ -6,7 +6,8 @@ command chooses the rows and their columns (a ``Layout``: one per kind of row), 
 formatting. Tables and markdown show a layout's columns; JSON, NDJSON and CSV carry every key.
 
 Output safety lives here, once for every command: table cells are printed as plain text (a name
-such as ``[/x]`` is not rich markup), markdown cells escape ``|``, and CSV cells that a spreadsheet
+such as ``[/x]`` is not rich markup, an ESC or BEL is shown as ``\\x1b``, never sent to the
+terminal), markdown cells escape ``|``, and CSV cells that a spreadsheet
 would run as a formula (starting with ``=``, ``+``, ``-``, ``@``, tab or CR) get a leading ``'``,
 as OWASP recommends; numbers are left alone.
 """
@@ -60,6 +61,15 @@ def _plain(value):
     if isinstance(value, datetime):
         return value.isoformat()
     return value
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """Text for a terminal: control characters (an ESC starting a terminal sequence, a BEL, a
+    line break inside a name) shown as ``\\xNN`` instead of acted on."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _cell(value, fmt: str | None) -> str:
@@ -136,10 +146,10 @@ class TablePrinter(Printer):
 
     def print_row(self, row: Mapping) -> None:
         cells = self.layout.table_row(row)
-        self._rows.append([Text(_cell(cells.get(c.key), c.fmt)) for c in self.layout.columns])
+        self._rows.append([Text(_visible(_cell(cells.get(c.key), c.fmt))) for c in self.layout.columns])
 
     def print_footer(self) -> None:
-        table = Table(title=escape(self.title) if self.title else None, box=None, pad_edge=False,
+        table = Table(title=escape(_visible(self.title)) if self.title else None, box=None, pad_edge=False,
                       padding=(0, 1), header_style="bold")
         for col in self.layout.columns:
             table.add_column(Text(col.header), justify=col.justify, overflow="fold", no_wrap=col.no_wrap)
@@ -246,7 +256,7 @@ class MarkdownPrinter(Printer):
 
 def _md(text: str) -> str:
     """A markdown cell: a ``|`` or a line break in a name cannot end the cell or the row."""
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    return _visible(text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " "))
 
 
 class QuotedCsvPrinter(Printer):

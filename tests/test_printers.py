@@ -123,3 +123,10 @@ def test_bench_rows_print_in_every_format(fmt):
         text = json.dumps([json.loads(line) for line in text.splitlines()] if fmt == "ndjson" else json.loads(text),
                           ensure_ascii=False)
     assert "100.00 ± 0.00" in text and "92.10 MiB" in text and "Metal" in text
+
+
+def test_control_characters_in_names_are_shown_not_sent_to_the_terminal():
+    rows = [{"name": "x\x1b[2Jwiped\x07", "value": 1.0}]
+    for fmt in ("table", "md"):
+        text = render(rows, COLUMNS, fmt, title="t\x1b]0;title\x07")
+        assert "\x1b" not in text and "\x07" not in text and "x\\x1b[2Jwiped\\x07" in text
