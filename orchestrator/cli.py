@@ -758,10 +758,6 @@ def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
     if report.already:
         click.echo(f"{path}: already imported as study {report.already}; nothing written")
         return
-    if not report.trials:
-        first = f" (line {report.problems[0][0]}: {report.problems[0][1]}" if report.problems else ""
-        more = f"; {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ")"
-        raise BadInput(f"{path}: nothing imported{first}{more if first else ''}")
     for line, reason in report.problems:
         click.echo(f"{path}:{line}: skipped: {reason}", err=True)
     record = {"trials": report.trials, "rows": report.rows, "skipped": len(report.problems),

@@ -487,12 +487,22 @@ def _timestamp(text: str) -> float | None:
         return None
 
 
+def _first_problem(problems: Problems) -> str:
+    """" (line 3: why; 7 more problems)": the one line a file with no usable row gets."""
+    if not problems:
+        return ""
+    line, reason = problems[0]
+    more = f"; {len(problems) - 1} more problems" if len(problems) > 1 else ""
+    return f" (line {line}: {reason}{more})"
+
+
 def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
                 model: ModelInfo | None = None, limit: int | None = None) -> ImportReport:
     """Import one llama-bench output file; one study per (chip, model) found in it.
 
     The file is streamed (at most ``limit`` bytes, default MAX_IMPORT_BYTES) and hashed; a file whose bytes were imported
-    before is recognised by its sha256 and changes nothing (``ImportReport.already``).
+    before is recognised by its sha256 and changes nothing (``ImportReport.already``). A file with
+    no usable row is BadInput naming its first problem.
     """
     file = Path(path)
     if not file.is_file():
@@ -517,7 +527,7 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
         return ImportReport(already=earlier[0], source_sha256=sha256)
     report = ImportReport(problems=sorted(problems), source_sha256=sha256)
     if not rows:
-        return report
+        raise BadInput(f"{path}: nothing imported{_first_problem(report.problems)}")
     with db.session() as s:  # one transaction: all of it or none
         groups = group_trials(rows)
         studies: dict[tuple, object] = {}
