@@ -16,7 +16,8 @@ from orchestrator.report import FORMATS, Column, human_bytes, human_params, rend
 from workers.errors import BadInput, FleettuneError
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 
-EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")  # llamabench.EXPORT_FORMATS
+# llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
+EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
 
 EXIT_BAD_INPUT = 2
 EXIT_PAUSED = 3

@@ -18,7 +18,7 @@ import io
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar, TextIO
 
@@ -263,7 +263,7 @@ class QuotedCsvPrinter(Printer):
     """llama-bench's CSV: a fixed list of fields, every cell quoted, booleans as 0/1, floats
     with six decimals (``-o csv``), sample lists left out."""
 
-    name = "quoted-csv"
+    name = "llama-bench-csv"
 
     def print_header(self) -> None:
         self.out.write(",".join(c.key for c in self.layout.columns) + "\n")
@@ -287,7 +287,6 @@ def _quoted_cell(value) -> str:
 class _Entry:
     printer: type[Printer]
     layout: Layout | None = None  # a format bound to one kind of row (llama-bench's)
-    help: str = ""
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -355,5 +354,5 @@ def human_params(n: int) -> str:
     return str(n)
 
 
-__all__ = ["FORMATS", "Column", "Layout", "Printer", "create_printer", "csv_safe", "field", "formats",
-           "human_bytes", "human_params", "register", "render", "render_record"]
+__all__ = ["FORMATS", "Column", "Layout", "Printer", "create_printer", "csv_safe", "formats", "human_bytes",
+           "human_params", "register", "render", "render_record"]

@@ -130,3 +130,10 @@ def test_control_characters_in_names_are_shown_not_sent_to_the_terminal():
     for fmt in ("table", "md"):
         text = render(rows, COLUMNS, fmt, title="t\x1b]0;title\x07")
         assert "\x1b" not in text and "\x07" not in text and "x\\x1b[2Jwiped\\x07" in text
+
+
+def test_the_cli_offers_exactly_the_export_formats_the_registry_has():
+    from orchestrator.cli import EXPORT_FORMATS, FORMATS
+
+    assert EXPORT_FORMATS == llamabench.EXPORT_FORMATS and set(EXPORT_FORMATS) <= set(formats())
+    assert set(FORMATS) <= set(formats())
