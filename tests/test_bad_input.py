@@ -144,6 +144,12 @@ def test_model_synth_into_an_unwritable_place_is_one_line(sqlite_url, model_path
     assert counts(sqlite_url) == EMPTY
 
 
+def test_model_fetch_into_an_unwritable_place_is_one_line(sqlite_url):
+    one_line_error(cli("model", "fetch", "smollm2-135m", "--dest", "/proc/fleettune-models", "--db", sqlite_url),
+                   "cannot fetch smollm2-135m into /proc/fleettune-models")
+    assert counts(sqlite_url) == EMPTY
+
+
 def test_plot_into_an_unwritable_place_is_one_line(imported_url):
     study = json.loads(ok("results", "--db", imported_url, "--json").stdout)[0]["study"]
     one_line_error(cli("plot", "heatmap", "--study", study, "-o", "/proc/x.png", "--db", imported_url),
