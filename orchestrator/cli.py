@@ -16,6 +16,7 @@ from orchestrator.report import FORMATS, Column, human_bytes, human_params, rend
 from workers.errors import BadInput, FleettuneError
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 
+# llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
 EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
 
 EXIT_BAD_INPUT = 2
@@ -196,20 +197,6 @@ def model_push(model_ref, chip_key, address, db_url, fmt) -> None:
 # ---------------------------------------------------------------- bench
 
 
-BENCH_COLUMNS = [
-    Column("model", "model"),
-    Column("size", "size", justify="right"),
-    Column("params", "params", justify="right"),
-    Column("backend", "backend"),
-    Column("ngl", "ngl", justify="right"),
-    Column("threads", "t", justify="right"),
-    Column("n_batch", "b", justify="right"),
-    Column("n_ubatch", "ub", justify="right"),
-    Column("test", "test", justify="right"),
-    Column("tps", "t/s", justify="right", no_wrap=True),
-]
-
-
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
 @click.option("--ngl", "-ngl", default=0, show_default=True, help="Layers offloaded to the GPU.")
@@ -227,7 +214,7 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
           timeout, db_url, fmt) -> None:
     """Measure one configuration on this machine (llama-bench's method and table)."""
     from orchestrator import registry
-    from orchestrator.report import bench_rows
+    from orchestrator.llamabench import BENCH_LAYOUT, bench_rows
     from workers.bench import bench_local, default_threads
     from workers.hardware import fingerprint_live
     from workers.trial import BenchParams, Workload
@@ -236,7 +223,7 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
     params = BenchParams(n_gpu_layers=ngl, n_threads=threads or default_threads(fingerprint_live()),
                          n_batch=batch, n_ubatch=ubatch or min(512, batch), flash_attn=flash_attn)
     fp, result = bench_local(info, params, Workload(prompt_tokens, gen_tokens, reps), timeout)
-    click.echo(render(bench_rows(info, fp, params, result), BENCH_COLUMNS, fmt))
+    click.echo(render(bench_rows(info, fp, params, result), BENCH_LAYOUT, fmt))
     if not result.ok:
         raise FleettuneError(f"trial failed: {result.error}")
 
@@ -306,6 +293,7 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
          chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
@@ -326,7 +314,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
     if all_chips:
         def report(chip, p):
             if not quiet and p.last is not None and p.phase == "search":
-                console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}")
+                console.print(f"{chip:<24} {p.phase:<8} {p.done}/{p.total}  best {p.best_value or 0:.2f}",
+                              markup=False)
 
         outcomes = tune_all_chips(db, cfg, address=address, on_progress=report, warm=warm)
         rows = [{**_outcome_record(o, cfg),
@@ -341,8 +330,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
         with progress:
             outcome = run_tune(
                 db, cfg, address=address, chip_key=chip_key, on_progress=update, warm=warm,
-                on_ready=lambda r: console.print(f"study [bold]{r.name}[/] on {r.target.key} "
-                                                 f"({db.display_url})"),
+                on_ready=lambda r: console.print(f"study [bold]{escape(r.name)}[/] on {escape(r.target.key)} "
+                                                 f"({escape(db.display_url)})"),
             )
     click.echo(render_record(_outcome_record(outcome, cfg), fmt))
 
@@ -404,7 +393,8 @@ RESULT_COLUMNS = [
 @click.option("--study", help="Study name.")
 @click.option("--state", default="complete", show_default=True,
               type=click.Choice(["complete", "failed", "running", "all"]))
-@click.option("--top", type=int, help="Only the N best by the study's objective.")
+@click.option("--top", type=click.IntRange(min=1),
+              help="Only the N best by objective value, each in its study's direction (e2e: fewest seconds).")
 @db_option
 @output_options()
 def results(chip, model_ref, study, state, top, db_url, fmt) -> None:
@@ -769,13 +759,14 @@ def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
     db = _open_db(db_url)
     model_info = registry.resolve(db, model_ref) if model_ref else None
     report = llamabench.import_file(db, path, chip_key=chip_key, model=model_info)
+    if report.already:
+        click.echo(f"{path}: already imported as study {report.already}; nothing written")
+        return
     for line, reason in report.problems:
         click.echo(f"{path}:{line}: skipped: {reason}", err=True)
     record = {"trials": report.trials, "rows": report.rows, "skipped": len(report.problems),
               "studies": report.studies}
     click.echo(render_record(record, fmt))
-    if not report.trials:
-        raise BadInput(f"{path}: nothing imported")
 
 
 @main.command("export")
@@ -790,19 +781,19 @@ def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
 def export(fmt, study, chip, model_ref, simulated, out, db_url) -> None:
     """Write trials as llama-bench would have printed them (JSON, JSONL, CSV) or its markdown table."""
     from orchestrator import llamabench, queries
+    from workers.files import atomic_output, check_writable
 
+    if out:
+        check_writable(out)  # before the query: a bad path is one line, whatever the database holds
     trials = queries.export_rows(_open_db(db_url), chip=chip, model=model_ref, study=study,
                                  simulated=simulated)
-    text = llamabench.write(llamabench.export_records(trials), fmt)
+    records = llamabench.export_records(trials)
     if out:
-        from pathlib import Path
-
-        part = Path(out).with_name(Path(out).name + ".part")
-        part.write_text(text)
-        part.replace(out)
+        with atomic_output(out) as file:
+            llamabench.write(records, fmt, file)
         click.echo(f"wrote {len(trials)} trials to {out}", err=True)
     else:
-        click.echo(text, nl=False)
+        llamabench.write(records, fmt, sys.stdout)
 
 
 @main.command()
@@ -942,13 +933,16 @@ def sim() -> None:
     """The calibrated Apple Silicon performance model (simulated, never mixed with real data)."""
 
 
+MAX_TOKENS = 2**31 - 1
+
+
 def sim_options(func):
     for option in reversed([
         click.option("--chip", "chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
         click.option("--model-shape", required=True, help="llama2-7b | llama3-8b | llama2-13b | PATH.gguf"),
         click.option("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape."),
-        click.option("-p", "--prompt-tokens", default=512, show_default=True),
-        click.option("-n", "--gen-tokens", default=128, show_default=True),
+        click.option("-p", "--prompt-tokens", type=click.IntRange(0, MAX_TOKENS), default=512, show_default=True),
+        click.option("-n", "--gen-tokens", type=click.IntRange(0, MAX_TOKENS), default=128, show_default=True),
         click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
                      show_default=True),
     ]):
@@ -969,10 +963,12 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 
 @sim.command("predict")
 @sim_options
-@click.option("--ngl", "-ngl", default=99, show_default=True, help="GPU layers (beyond the model: all).")
-@click.option("-t", "--threads", default=8, show_default=True)
-@click.option("-b", "--batch", default=512, show_default=True)
-@click.option("--ub", "-ub", "ubatch", type=int, help="Physical batch (default: min(512, batch)).")
+@click.option("--ngl", "-ngl", type=click.IntRange(0, 9999), default=99, show_default=True,
+              help="GPU layers (beyond the model: all).")
+@click.option("-t", "--threads", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("-b", "--batch", type=click.IntRange(1, MAX_TOKENS), default=512, show_default=True)
+@click.option("--ub", "-ub", "ubatch", type=click.IntRange(1, MAX_TOKENS),
+              help="Physical batch (default: min(512, batch)).")
 @output_options()
 def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenario, ngl, threads, batch,
                 ubatch, fmt) -> None:

@@ -9,16 +9,32 @@ reported by line; the rest go in, all in one transaction, so nothing is ever hal
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
-import io
+import itertools
 import json
+import math
+import os
 import statistics
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 from orchestrator.db import Database, repo
+from orchestrator.report import (
+    Column,
+    JsonPrinter,
+    Layout,
+    NdjsonPrinter,
+    QuotedCsvPrinter,
+    create_printer,
+    human_bytes,
+    human_params,
+    register,
+)
 from workers.errors import BadInput
 from workers.hardware import Fingerprint, make_chip_key
 from workers.models import ModelInfo
@@ -72,83 +88,228 @@ class ImportReport:
     trials: int = 0
     rows: int = 0
     problems: list[tuple[int, str]] = field(default_factory=list)  # (line, reason)
+    source_sha256: str | None = None
+    already: str | None = None  # the study that holds this file's bytes already (nothing imported)
 
 
 # ---------------------------------------------------------------- reading
 
+MAX_IMPORT_BYTES = 256 * 1024**2  # llama-bench writes about 2 KB per test: 100,000 tests fit
+MAX_OBJECT_CHARS = 1024**2  # one llama-bench JSON object is about 2 KB; past this it is malformed
+CHUNK_BYTES = 64 * 1024
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_NAME_CHARS = 200  # the model name column
+MAX_CHIP_NAME_CHARS = 100  # a chip's name becomes its key, which has 120 characters
+MAX_CHIP_KEY_CHARS = 120
+MAX_STUDY_BASE_CHARS = 240  # study names have 255, with room for a "#N" suffix
 
-def read_records(text: str) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
-    """(line, record) pairs from llama-bench JSON, JSONL or CSV text, and (line, reason) problems."""
-    stripped = text.lstrip()
-    if not stripped:
-        raise BadInput("the file is empty")
-    if stripped[0] == "[":
-        return _json_array(text)
-    if stripped[0] == "{":
-        return _json_lines(text)
-    return _csv(text)
-
-
-def _line_of(text: str, pos: int) -> int:
-    return text.count("\n", 0, pos) + 1
+Problems = list[tuple[int, str]]  # (line, reason)
 
 
-def _json_array(text: str) -> tuple[list, list]:
-    decoder, records, problems = json.JSONDecoder(), [], []
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return records, problems
+class SourceFile:
+    """A file read once, in chunks: its text as it streams, its sha256 and its size, refusing to
+    read past ``limit`` bytes (so a huge or endless file is one clear error, not an exhausted head)."""
+
+    def __init__(self, path: str | Path, limit: int = MAX_IMPORT_BYTES) -> None:
+        self.path, self.limit = Path(path), limit
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def _too_large(self) -> BadInput:
+        return BadInput(f"{self.path}: larger than the import limit of {self.limit / 1024**2:g} MiB")
+
+    def chunks(self) -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            problems.append((_line_of(text, pos), f"malformed JSON ({exc.msg})"))
-            nxt = text.find("\n  {", pos + 1)  # llama-bench starts every object on its own line
-            if nxt < 0:
-                return records, problems
+            with self.path.open("rb") as raw:
+                if os.fstat(raw.fileno()).st_size > self.limit:
+                    raise self._too_large()  # known before reading a byte; the loop catches growth
+                while block := raw.read(CHUNK_BYTES):
+                    self.size += len(block)
+                    if self.size > self.limit:
+                        raise self._too_large()
+                    self.sha256.update(block)
+                    yield decoder.decode(block)
+        except OSError as exc:
+            raise BadInput(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        yield decoder.decode(b"", final=True)
+
+
+def _lines(chunks: Iterable[str]) -> Iterator[str]:
+    """Lines (with their ends) of streamed text; each chunk is split once (a long line costs its
+    length, not its length times its chunks)."""
+    pending: list[str] = []
+    for chunk in chunks:
+        *complete, tail = chunk.split("\n")
+        if complete:
+            yield "".join(pending) + complete[0] + "\n"
+            yield from (line + "\n" for line in complete[1:])
+            pending = []
+        pending.append(tail)
+    if rest := "".join(pending):
+        yield rest
+
+
+Item = tuple[int, dict | str]  # (line, a record) or (line, why it is no record)
+
+
+def iter_source(source: SourceFile) -> Iterator[Item]:
+    """(line, record) for each llama-bench JSON, JSONL or CSV record, (line, reason) for each
+    problem, as the file streams; the whole file is read (its sha256 covers every byte) even when
+    parsing ends early."""
+    chunks = source.chunks()
+    head = ""
+    for chunk in chunks:
+        head += chunk
+        if head.strip():
+            break
+    stripped = head.lstrip()
+    if not stripped:
+        raise BadInput(f"{source.path}: the file is empty")
+    stream = itertools.chain([head], chunks)
+    if stripped[0] == "[":
+        yield from _json_array(stream)
+    elif stripped[0] == "{":
+        yield from _json_lines(_lines(stream))
+    else:
+        yield from _csv(_lines(stream))
+    for _ in chunks:  # the rest of the file, for its hash and size
+        pass
+
+
+def read_source(source: SourceFile) -> tuple[list[tuple[int, dict]], Problems]:
+    """Every record and every problem of a file, apart."""
+    records, problems = [], []
+    for line, item in iter_source(source):
+        (records if isinstance(item, dict) else problems).append((line, item))
+    return records, problems
+
+
+def read_records(text: str) -> tuple[list[tuple[int, dict]], Problems]:
+    """The same from text in memory (tests, small inputs)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as tmp:
+        tmp.write(text)
+    try:
+        return read_source(SourceFile(tmp.name))
+    finally:
+        Path(tmp.name).unlink()
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-finite number {name}")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _decode(text: str, pos: int) -> tuple[object, int]:
+    """One JSON value at ``pos``; every way JSON text can be unusable is a ValueError."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _problem(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"malformed JSON ({exc.msg})"
+    return f"malformed JSON ({exc})"
+
+
+def _json_array(chunks: Iterator[str]) -> Iterator[Item]:
+    """llama-bench's ``-o json``: one array, each object decoded as soon as it is complete.
+
+    Text already decoded is dropped (only the unparsed tail is held); a malformed object is
+    reported by line and skipped to the next object start (llama-bench starts each on its own line).
+    """
+    buf, pos, line_base, eof = "", 0, 1, False
+
+    def more() -> bool:
+        nonlocal buf, pos, line_base, eof
+        chunk = next(chunks, None)
+        if chunk is None:
+            eof = True
+            return False
+        line_base += buf.count("\n", 0, pos)
+        buf, pos = buf[pos:] + chunk, 0
+        return True
+
+    def line_at(at: int) -> int:
+        return line_base + buf.count("\n", 0, at)
+
+    while "[" not in buf and more():
+        pass
+    pos = buf.index("[") + 1
+    while True:
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) or not more():
+                break
+        if pos >= len(buf) or buf[pos] == "]":
+            return
+        try:
+            value, end = _decode(buf, pos)
+        except ValueError as exc:
+            if not eof and len(buf) - pos < MAX_OBJECT_CHARS and more():
+                continue  # maybe only cut off by the chunk's end: read on and try again
+            yield line_at(pos), _problem(exc)
+            start = pos + 1
+            while (nxt := buf.find("\n  {", start)) < 0:
+                pos = start = max(start, len(buf) - 3)  # what was searched is dropped by more()
+                if not more():
+                    return
+                start = 0
             pos = nxt + 1
             continue
-        if isinstance(value, dict):
-            records.append((_line_of(text, pos), value))
-        else:
-            problems.append((_line_of(text, pos), "not a JSON object"))
+        if end >= len(buf) and not eof and more():
+            continue  # a number at the chunk's end may go on in the next chunk
+        yield line_at(pos), value if isinstance(value, dict) else "not a JSON object"
         pos = end
 
 
-def _json_lines(text: str) -> tuple[list, list]:
-    records, problems = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+def _json_lines(lines: Iterable[str]) -> Iterator[Item]:
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append((number, f"malformed JSON ({exc.msg})"))
+            value, end = _decode(line, len(line) - len(line.lstrip()))
+            if line[end:].strip():
+                raise json.JSONDecodeError("Extra data", line, end)
+        except ValueError as exc:
+            yield number, _problem(exc)
             continue
-        if isinstance(value, dict):
-            records.append((number, value))
-        else:
-            problems.append((number, "not a JSON object"))
-    return records, problems
+        yield number, value if isinstance(value, dict) else "not a JSON object"
 
 
-def _csv(text: str) -> tuple[list, list]:
-    reader = csv.DictReader(io.StringIO(text))
-    missing = [f for f in REQUIRED if f not in (reader.fieldnames or [])]
+def _csv(lines: Iterable[str]) -> Iterator[Item]:
+    reader = csv.DictReader(lines)
+    try:
+        fieldnames = reader.fieldnames or []
+    except csv.Error as exc:
+        raise BadInput(f"not llama-bench output (JSON, JSONL or CSV): {exc}") from None
+    missing = [f for f in REQUIRED if f not in fieldnames]
     if missing:
         raise BadInput(f"not llama-bench output (JSON, JSONL or CSV): no column {', '.join(missing)}")
-    records, problems = [], []
-    for record in reader:
-        if None in record or any(v is None for v in record.values()):
-            problems.append((reader.line_num, "wrong number of columns"))
+    while True:
+        try:
+            record = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            yield reader.line_num, f"malformed CSV ({exc})"
             continue
-        records.append((reader.line_num, record))
-    return records, problems
+        if None in record or any(v is None for v in record.values()):
+            yield reader.line_num, "wrong number of columns"
+            continue
+        yield reader.line_num, record
 
 
-def _int(record: dict, key: str, default: int | None = None) -> int:
+def _int(record: dict, key: str, default: int | None = None, lo: int = 0, hi: int = INT32_MAX) -> int:
+    """An integer field in [lo, hi]: JSON numbers, CSV text, llama-bench's true/false."""
     value = record.get(key, default)
     if value is None or value == "":
         raise ValueError(f"missing {key}")
@@ -156,7 +317,50 @@ def _int(record: dict, key: str, default: int | None = None) -> int:
         return int(value)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return int(value.lower() == "true")
-    return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{key} {value!r} is not a whole number")
+        value = int(value)
+    elif not isinstance(value, int | str):
+        raise ValueError(f"{key} is not a number")
+    number = int(value)
+    if not lo <= number <= hi:
+        raise ValueError(f"{key} {number} is out of range")
+    return number
+
+
+def _float(record: dict, key: str, default: float | None = None) -> float:
+    """A finite float field (llama-bench never prints inf or nan; 1e400 reads as inf)."""
+    value = record.get(key, default)
+    if value is None or value == "" or isinstance(value, bool | dict | list):
+        raise ValueError(f"missing {key}" if value in (None, "") else f"{key} is not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{key} {value!r} is not a finite number")
+    return number
+
+
+def _text(record: dict, key: str, limit: int = MAX_NAME_CHARS) -> str:
+    value = record.get(key, "")
+    text = "" if value is None else str(value)
+    if len(text) > limit:
+        raise ValueError(f"{key} is longer than {limit} characters")
+    return text
+
+
+def _samples_ns(record: dict) -> tuple[int, ...]:
+    samples = record.get("samples_ns") or ()
+    if isinstance(samples, str):  # not in llama-bench's CSV, but tolerated if someone adds it
+        samples = [s for s in samples.replace(";", " ").split() if s]
+    if not isinstance(samples, list | tuple):
+        raise ValueError("samples_ns is not a list")
+    out = []
+    for sample in samples:
+        ns = _float({"samples_ns": sample}, "samples_ns")
+        if not 1 <= ns <= INT64_MAX:
+            raise ValueError(f"samples_ns {sample!r} is out of range")
+        out.append(int(ns))
+    return tuple(out)
 
 
 def parse_record(line: int, record: dict) -> BenchRow:
@@ -171,33 +375,46 @@ def parse_record(line: int, record: dict) -> BenchRow:
         raise ValueError("prompt+generation tests (-pg) are not imported")
     if not n_prompt and not n_gen:
         raise ValueError("neither n_prompt nor n_gen")
-    avg_ts = float(record["avg_ts"])
-    if not avg_ts > 0:
+    avg_ts = _float(record, "avg_ts")
+    if not avg_ts > 0 or not 1 <= (n_prompt or n_gen) / avg_ts * 1e9 <= INT64_MAX:
         raise ValueError(f"avg_ts {record['avg_ts']!r} is not a speed")
-    samples = record.get("samples_ns") or ()
-    if isinstance(samples, str):  # not in llama-bench's CSV, but tolerated if someone adds it
-        samples = [s for s in samples.replace(";", " ").split() if s]
-    ngl, n_batch, n_ubatch = _int(record, "n_gpu_layers"), _int(record, "n_batch"), _int(record, "n_ubatch")
-    if str(record.get("backends", "")).strip().upper() == "CPU":
+    stddev_ts = 0.0 if record.get("stddev_ts") in (None, "") else _float(record, "stddev_ts")
+    if stddev_ts < 0:
+        raise ValueError(f"stddev_ts {stddev_ts!r} is negative")
+    samples = _samples_ns(record)
+    ngl = _int(record, "n_gpu_layers", lo=-1)
+    n_batch, n_ubatch = _int(record, "n_batch", lo=-1), _int(record, "n_ubatch", lo=-1)
+    backends = _text(record, "backends")
+    if backends.strip().upper() == "CPU":
         ngl = 0  # a CPU-only build offloads nothing, whatever -ngl said (fleettune's CPU studies say 0)
     elif ngl == -1:
         ngl = ALL_LAYERS  # llama-bench's default -ngl -1: every layer
     params = BenchParams(
-        n_gpu_layers=ngl, n_threads=_int(record, "n_threads"), n_batch=n_batch,
+        n_gpu_layers=ngl, n_threads=_int(record, "n_threads", lo=-1), n_batch=n_batch,
         n_ubatch=min(n_ubatch, n_batch),  # llama.cpp clamps the micro-batch to the batch
-        flash_attn=_int(record, "flash_attn", 0) == 1,  # -1 (auto) is stored as off
+        flash_attn=_int(record, "flash_attn", 0, lo=-1, hi=1) == 1,  # -1 (auto) is stored as off
     )
     if min(params.n_gpu_layers, params.n_threads - 1, params.n_batch - 1, params.n_ubatch - 1) < 0:
         raise ValueError("out-of-range parameters")
+    model_type = _text(record, "model_type")
+    words = model_type.split()
+    if words and (len(words[0]) > 60 or len(words[-1]) > 40):
+        raise ValueError("model_type names an architecture or type too long to be one")
+    for key in ("cpu_info", "gpu_info"):  # the chip's name is the first of a list
+        if len(_text(record, key, 1000).split(",")[0].strip()) > MAX_CHIP_NAME_CHARS:
+            raise ValueError(f"{key} names a chip longer than {MAX_CHIP_NAME_CHARS} characters")
+    model_filename = _text(record, "model_filename", 4096)
+    if len(Path(model_filename).stem) > MAX_NAME_CHARS:
+        raise ValueError(f"model_filename's name is longer than {MAX_NAME_CHARS} characters")
     return BenchRow(
         line=line, kind="pp" if n_prompt else "tg", params=params, n_tokens=n_prompt or n_gen,
-        avg_ts=avg_ts, stddev_ts=float(record.get("stddev_ts") or 0.0),
-        samples_ns=tuple(int(float(s)) for s in samples),
-        model_filename=str(record["model_filename"]), model_type=str(record.get("model_type", "")),
-        model_size=_int(record, "model_size", 0), model_n_params=_int(record, "model_n_params", 0),
-        cpu_info=str(record.get("cpu_info", "")), gpu_info=str(record.get("gpu_info", "")),
-        backends=str(record.get("backends", "")), build_commit=str(record.get("build_commit", "")),
-        test_time=str(record.get("test_time", "")),
+        avg_ts=avg_ts, stddev_ts=stddev_ts, samples_ns=samples,
+        model_filename=model_filename, model_type=model_type,
+        model_size=_int(record, "model_size", 0, hi=INT64_MAX),
+        model_n_params=_int(record, "model_n_params", 0, hi=INT64_MAX),
+        cpu_info=_text(record, "cpu_info", 1000), gpu_info=_text(record, "gpu_info", 1000),
+        backends=backends, build_commit=_text(record, "build_commit", 1000),
+        test_time=_text(record, "test_time", 100),
     )
 
 
@@ -270,57 +487,122 @@ def _timestamp(text: str) -> float | None:
         return None
 
 
+def _first_problem(problems: Problems) -> str:
+    """" (line 3: why; 7 more problems)": the one line a file with no usable row gets."""
+    if not problems:
+        return ""
+    line, reason = problems[0]
+    more = f"; {len(problems) - 1} more problems" if len(problems) > 1 else ""
+    return f" (line {line}: {reason}{more})"
+
+
 def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
-                model: ModelInfo | None = None) -> ImportReport:
-    """Import one llama-bench output file; one study per (chip, model) found in it."""
+                model: ModelInfo | None = None, limit: int | None = None) -> ImportReport:
+    """Import one llama-bench output file; one study per (chip, model) found in it.
+
+    The file is streamed (at most ``limit`` bytes, default MAX_IMPORT_BYTES) and hashed; a file whose bytes were imported
+    before is recognised by its sha256 and changes nothing (``ImportReport.already``). A file with
+    no usable row is BadInput naming its first problem.
+    """
     file = Path(path)
     if not file.is_file():
         raise BadInput(f"{path}: no such file")
-    records, problems = read_records(file.read_text(errors="replace"))
-    rows: list[BenchRow] = []
-    for line, record in records:
+    if chip_key is not None and not 0 < len(chip_key) <= MAX_CHIP_KEY_CHARS:
+        raise BadInput(f"--chip must be 1 to {MAX_CHIP_KEY_CHARS} characters")
+    source = SourceFile(file, MAX_IMPORT_BYTES if limit is None else limit)
+    rows: list[BenchRow] = []  # checked as they stream: the file's raw records are never all held
+    problems: Problems = []
+    for line, item in iter_source(source):
+        if isinstance(item, str):
+            problems.append((line, item))
+            continue
         try:
-            rows.append(parse_record(line, record))
-        except (ValueError, TypeError) as exc:
+            rows.append(parse_record(line, item))
+        except (ValueError, TypeError, OverflowError) as exc:
             problems.append((line, str(exc)))
-    report = ImportReport(problems=sorted(problems))
+    sha256 = source.sha256.hexdigest()
+    with db.session() as s:
+        earlier = repo.studies_from_source(s, sha256)
+    if earlier:
+        return ImportReport(already=earlier[0], source_sha256=sha256)
+    report = ImportReport(problems=sorted(problems), source_sha256=sha256)
     if not rows:
-        return report
+        raise BadInput(f"{path}: nothing imported{_first_problem(report.problems)}")
     with db.session() as s:  # one transaction: all of it or none
         groups = group_trials(rows)
         studies: dict[tuple, object] = {}
+        models: dict[tuple, ModelInfo] = {}
+        trials_of: dict[int, list[list[BenchRow]]] = {}  # study id -> its trials' rows
         for trial_rows in groups:
             first = trial_rows[0]
             fp = _chip_fingerprint(first, chip_key)
-            info = _model_for(s, first, model)
+            model_key = (Path(first.model_filename).name, first.model_n_params, first.model_size, first.model_type)
+            if model_key not in models:
+                models[model_key] = _model_for(s, first, model)
+            info = models[model_key]
             key = (fp.chip_key, info.sha256)
             if key not in studies:
                 chip = repo.upsert_chip(s, fp)
                 model_row = repo.upsert_model(s, info)
-                name = repo.free_study_name(s, f"llama-bench/{fp.chip_key}/{info.name}/{file.stem}")
+                base = f"llama-bench/{fp.chip_key}/{info.name}/{file.stem}"[:MAX_STUDY_BASE_CHARS]
+                name = repo.free_study_name(s, base)
                 studies[key] = repo.add_study(
                     s, name=name, chip_id=chip.id, model_id=model_row.id, objective="tg",
                     n_prompt=max((r.n_tokens for r in rows if r.kind == "pp"), default=0),
                     n_gen=max((r.n_tokens for r in rows if r.kind == "tg"), default=0),
                     reps=max((len(r.samples_ns) for r in rows), default=1), sampler="llama-bench",
                     budget=len(groups), space={}, simulated=False, state="complete",
-                    message=f"imported from {file.name}",
+                    message=f"imported from {file.name}"[:1000], source_sha256=sha256,
                 )
                 report.studies.append(name)
-            study = studies[key]
-            trial_id = repo.start_trial(s, study_id=study.id, optuna_number=None, phase=IMPORT_PHASE,
-                                        params=first.params.to_dict(), simulated=False)
-            result = _result(trial_rows)
-            tg = result.stats("tg")
-            repo.finish_trial(s, trial_id, result, objective_value=tg.median if tg else None,
-                              e2e_s=None, node_id=None)
-            repo.set_trial_llama_bench_stats(s, trial_id, {r.kind: (r.avg_ts, r.stddev_ts) for r in trial_rows})
-            report.trials += 1
-            report.rows += len(trial_rows)
+            trials_of.setdefault(studies[key].id, []).append(trial_rows)
+        for study_id, trials in trials_of.items():  # a few bulk statements per study, not per trial
+            ids = repo.start_trials(s, study_id, [repo.NewTrial(IMPORT_PHASE, t[0].params.to_dict()) for t in trials],
+                                    simulated=False)
+            finished = []
+            for trial_id, trial_rows in zip(ids, trials, strict=True):
+                result = _result(trial_rows)
+                tg = result.stats("tg")
+                finished.append(repo.FinishedTrial(trial_id, result, tg.median if tg else None, None, None))
+            repo.finish_trials(s, finished)
+            repo.set_trials_llama_bench_stats(s, {trial_id: {r.kind: (r.avg_ts, r.stddev_ts) for r in trial_rows}
+                                                  for trial_id, trial_rows in zip(ids, trials, strict=True)})
+            report.trials += len(trials)
+            report.rows += sum(len(t) for t in trials)
     return report
 
 
 # ---------------------------------------------------------------- exporting
+
+BACKEND_NAMES = {"metal": "Metal", "cuda": "CUDA"}  # llama-bench's names; anything else is CPU
+
+
+def llama_bench_record(*, params: BenchParams, kind: str, samples: list[tuple[int, float]], build_commit: str,
+                cpu_info: str, gpu_info: str, backend: str | None, model_filename: str, model_type: str,
+                model_size: int, model_n_params: int, test_time: str) -> dict:
+    """One llama-bench test row (its FIELDS, then samples_ns and samples_ts) from ``samples``:
+    (tokens, seconds) of one kind of test. Both the export and `fleettune bench` build theirs here."""
+    ns = [int(round(seconds * 1e9)) for _, seconds in samples]
+    ts = [tokens / seconds for tokens, seconds in samples]
+    n_tokens = samples[0][0]
+    record = dict.fromkeys(FIELDS, "")
+    record.update(
+        build_commit=build_commit, build_number=0, cpu_info=cpu_info, gpu_info=gpu_info,
+        backends=BACKEND_NAMES.get(backend or "", "CPU"), model_filename=model_filename,
+        model_type=model_type, model_size=model_size, model_n_params=model_n_params,
+        n_batch=params.n_batch, n_ubatch=params.n_ubatch, n_threads=params.n_threads,
+        cpu_mask="0x0", cpu_strict=False, poll=50, type_k="f16", type_v="f16",
+        n_gpu_layers=params.n_gpu_layers, n_cpu_moe=0, split_mode="layer", main_gpu=0,
+        no_kv_offload=False, flash_attn=int(params.flash_attn), devices="auto", tensor_split="0.00",
+        tensor_buft_overrides="none", load_mode="mmap", lazy_mode="auto", embeddings=False,
+        no_op_offload=0, no_host=False, repack=True, fit_target=0, fit_min_ctx=0,
+        n_prompt=n_tokens if kind == "pp" else 0, n_gen=n_tokens if kind == "tg" else 0,
+        n_depth=0, test_time=test_time,
+        avg_ns=int(statistics.fmean(ns)), stddev_ns=int(statistics.stdev(ns)) if len(ns) > 1 else 0,
+        avg_ts=statistics.fmean(ts), stddev_ts=statistics.stdev(ts) if len(ts) > 1 else 0.0,
+        samples_ns=ns, samples_ts=ts,
+    )
+    return record
 
 
 def export_records(trial_rows: list[dict]) -> list[dict]:
@@ -329,73 +611,96 @@ def export_records(trial_rows: list[dict]) -> list[dict]:
     for trial in trial_rows:
         params = BenchParams.from_dict(trial["params"])
         for kind in ("pp", "tg"):
-            samples = [x for x in trial["samples"] if x["kind"] == kind]
+            samples = [(x["n_tokens"], x["seconds"]) for x in trial["samples"] if x["kind"] == kind]
             if not samples:
                 continue
-            ns = [int(round(x["seconds"] * 1e9)) for x in samples]
-            ts = [x["n_tokens"] / x["seconds"] for x in samples]
-            n_tokens = samples[0]["n_tokens"]
-            record = dict.fromkeys(FIELDS, "")
-            record.update(
-                build_commit=trial.get("llama_build") or "", build_number=0,
+            out.append(llama_bench_record(
+                params=params, kind=kind, samples=samples, build_commit=trial.get("llama_build") or "",
                 cpu_info=trial["chip_name"] or trial["chip"], gpu_info=trial.get("gpu_name") or "",
-                backends={"metal": "Metal", "cuda": "CUDA"}.get(trial.get("backend") or "", "CPU"),
-                model_filename=trial["model_path"] or trial["model"],
+                backend=trial.get("backend"), model_filename=trial["model_path"] or trial["model"],
                 model_type=f"{trial['architecture']} {trial['file_type']}",
                 model_size=trial["model_size"] or 0, model_n_params=trial["model_n_params"] or 0,
-                n_batch=params.n_batch, n_ubatch=params.n_ubatch, n_threads=params.n_threads,
-                cpu_mask="0x0", cpu_strict=False, poll=50, type_k="f16", type_v="f16",
-                n_gpu_layers=params.n_gpu_layers, n_cpu_moe=0, split_mode="layer", main_gpu=0,
-                no_kv_offload=False, flash_attn=int(params.flash_attn), devices="auto", tensor_split="0.00",
-                tensor_buft_overrides="none", load_mode="mmap", lazy_mode="auto", embeddings=False,
-                no_op_offload=0, no_host=False, repack=True, fit_target=0, fit_min_ctx=0,
-                n_prompt=n_tokens if kind == "pp" else 0, n_gen=n_tokens if kind == "tg" else 0,
-                n_depth=0, test_time=trial["started_at"] or "",
-                avg_ns=int(statistics.fmean(ns)), stddev_ns=int(statistics.stdev(ns)) if len(ns) > 1 else 0,
-                avg_ts=statistics.fmean(ts), stddev_ts=statistics.stdev(ts) if len(ts) > 1 else 0.0,
-                samples_ns=ns, samples_ts=ts,
-            )
-            out.append(record)
+                test_time=trial["started_at"] or "",
+            ))
     return out
 
 
-def write(records: list[dict], fmt: str) -> str:
-    if fmt == "llama-bench-json":
-        return json.dumps(records, indent=2, default=str) + "\n"
-    if fmt == "llama-bench-jsonl":
-        return "".join(json.dumps(r, default=str) + "\n" for r in records)
-    if fmt == "llama-bench-csv":  # llama-bench's CSV: every field quoted, no sample lists
-        lines = [",".join(FIELDS)]
-        for r in records:
-            lines.append(",".join('"' + _csv_value(r[f]).replace('"', '""') + '"' for f in FIELDS))
-        return "\n".join(lines) + "\n"
-    if fmt == "md":
-        return _markdown(records)
-    raise BadInput(f"unknown export format {fmt!r}")
+def table_cells(record: Mapping) -> dict:
+    """The cells of llama-bench's table for one of its test rows: model, size, params, backend,
+    ngl, threads, n_batch, n_ubatch, test, t/s (mean ± standard deviation)."""
+    test = f"pp{record['n_prompt']}" if record["n_prompt"] else f"tg{record['n_gen']}"
+    return {
+        "model": record["model_type"],
+        "size": human_bytes(int(record["model_size"])) if record["model_size"] else None,
+        "params": human_params(int(record["model_n_params"])) if record["model_n_params"] else None,
+        "backend": record["backends"],
+        "ngl": record["n_gpu_layers"],
+        "threads": record["n_threads"],
+        "n_batch": record["n_batch"],
+        "n_ubatch": record["n_ubatch"],
+        "test": test,
+        "tps": f"{record['avg_ts']:.2f} ± {record['stddev_ts']:.2f}",
+    }
 
 
-def _csv_value(value) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, float):
-        return f"{value:.6f}"
-    return str(value)
+# llama-bench's table: `fleettune bench` (80 columns: short headers) and `export --format md`
+TABLE_COLUMNS = (
+    Column("model", "model"),
+    Column("size", "size", justify="right"),
+    Column("params", "params", justify="right"),
+    Column("backend", "backend"),
+    Column("ngl", "ngl", justify="right"),
+    Column("threads", "t", justify="right", long_header="threads"),
+    Column("n_batch", "b", justify="right", long_header="n_batch"),
+    Column("n_ubatch", "ub", justify="right", long_header="n_ubatch"),
+    Column("test", "test", justify="right"),
+    Column("tps", "t/s", justify="right", no_wrap=True),
+)
+TABLE_LAYOUT = Layout(TABLE_COLUMNS, cells=table_cells)  # over llama-bench rows (FIELDS)
+BENCH_LAYOUT = Layout(TABLE_COLUMNS)  # over bench_rows, which carry the same cells
 
 
-def _markdown(records: list[dict]) -> str:
-    """llama-bench's default table: model, size, params, backend, ngl, threads, n_batch, test, t/s."""
-    header = "| model | size | params | backend | ngl | threads | n_batch | n_ubatch | test | t/s |"
-    lines = [header, "| --- | ---: | ---: | --- | --: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in records:
-        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        size = f"{int(r['model_size']) / 1024**3:.2f} GiB" if r["model_size"] else "-"
-        params = f"{int(r['model_n_params']) / 1e9:.2f} B" if r["model_n_params"] else "-"
-        lines.append(
-            f"| {r['model_type']} | {size} | {params} | {r['backends']} | {r['n_gpu_layers']} | "
-            f"{r['n_threads']} | {r['n_batch']} | {r['n_ubatch']} | {test} | "
-            f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |"
+# llama-bench's own formats, in the one printer registry
+register("llama-bench-json", JsonPrinter)
+register("llama-bench-jsonl", NdjsonPrinter)
+register("llama-bench-csv", QuotedCsvPrinter, Layout(tuple(Column(f, f) for f in FIELDS)))
+EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
+
+
+def write(records: Iterable[Mapping], fmt: str, out: TextIO) -> None:
+    """llama-bench rows to ``out`` in one of EXPORT_FORMATS (md: llama-bench's table)."""
+    if fmt not in EXPORT_FORMATS:
+        raise BadInput(f"unknown export format {fmt!r}")
+    create_printer(fmt, out, TABLE_LAYOUT).print_rows(records)
+
+
+def bench_rows(model: ModelInfo, fp: Fingerprint, params: BenchParams, result: TrialResult) -> list[dict]:
+    """`fleettune bench`'s rows: llama-bench's table cells (one row per test) and the figures
+    behind them (mean, median, deviation, every sample)."""
+    rows = []
+    for kind in ("pp", "tg"):
+        stats = result.stats(kind)
+        if stats is None:
+            continue
+        samples = [s for s in result.samples if s.kind == kind]
+        record = llama_bench_record(
+            params=params, kind=kind, samples=[(s.n_tokens, s.seconds) for s in samples], build_commit="",
+            cpu_info=fp.chip or "", gpu_info=fp.gpu_name or "", backend=fp.backend,
+            model_filename=model.path, model_type=f"{model.architecture} {model.file_type}",
+            model_size=model.size_bytes, model_n_params=model.n_params, test_time="",
         )
-    return "\n".join(lines) + "\n"
+        rows.append({
+            **table_cells(record),
+            "avg_ts": stats.mean,
+            "median_ts": stats.median,
+            "stddev_ts": stats.stddev,
+            "cv": stats.cv,
+            "samples_ts": [s.tokens_per_s for s in samples],
+            "samples_ns": [round(s.seconds * 1e9) for s in samples],
+            "load_s": result.load_s,
+            "peak_rss_bytes": result.peak_rss_bytes,
+        })
+    return rows
 
 
 def utc_iso(value: datetime | None) -> str:

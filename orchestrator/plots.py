@@ -16,6 +16,8 @@ from pathlib import Path
 from orchestrator import queries
 from orchestrator.db import Database
 from workers.errors import BadInput
+from workers.files import atomic_output
+from workers.objective import objective
 
 METRICS = {"tg": ("tg_tps", "generation tok/s"), "pp": ("pp_tps", "prompt tok/s"),
            "objective": ("objective_value", None)}
@@ -76,10 +78,10 @@ def _metric(rows: list[dict], metric: str) -> tuple[str, str, bool]:
     key, label = METRICS[metric]
     if metric != "objective":
         return key, label, True
-    objective = rows[0]["objective"]
-    if objective == "e2e":
-        return key, "prompt+generation seconds", False
-    return key, f"{objective} tok/s", True
+    study_objective = objective(rows[0]["objective"])
+    if study_objective.unit == "s":
+        return key, "prompt+generation seconds", study_objective.maximize
+    return key, f"{study_objective} {study_objective.unit}", study_objective.maximize
 
 
 def heatmap(db: Database, study: str, metric: str = "tg", x_axis: str = "threads",
@@ -121,6 +123,8 @@ def history(db: Database, study: str) -> Lines:
     """The objective of each search trial in order, and the best so far."""
     rows = sorted((r for r in _study_rows(db, study) if r["phase"] == "search"),
                   key=lambda r: r["optuna_number"])
+    if not rows:  # an imported study, or one stopped before its search
+        raise BadInput(f"study {study!r} has no search trials to draw")
     _, label, higher = _metric(rows, "objective")
     xs = [float(r["optuna_number"]) for r in rows]
     values = [r["objective_value"] for r in rows]
@@ -140,7 +144,10 @@ def importance(db: Database, study: str) -> Bars:
     import optuna
 
     _study_rows(db, study)  # a clear error for an unknown or empty study
-    optuna_study = optuna.load_study(study_name=study, storage=db.url_string)
+    try:
+        optuna_study = optuna.load_study(study_name=study, storage=db.url_string)
+    except KeyError:  # an imported study: measured elsewhere, never searched by Optuna
+        raise BadInput(f"study {study!r} has no Optuna trials (imported?): no importance to compute") from None
     complete = [t for t in optuna_study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(complete) < 3:
         raise BadInput(f"study {study!r}: parameter importance needs 3 or more completed trials")
@@ -174,17 +181,11 @@ def save(figure: Figure, path: str | Path) -> Path:
     out = Path(path)
     if out.suffix.lower() not in OUTPUT_SUFFIXES:
         raise BadInput(f"{out}: write .png or .html")
-    if not out.parent.is_dir():
-        raise BadInput(f"{out.parent}: no such directory")
-    part = out.with_name(out.name + ".part")
-    try:
+    with atomic_output(out, "wb") as file:
         if out.suffix.lower() == ".png":
-            _png(figure, part)
+            _png(figure, file)
         else:
-            _html(figure, part)
-        part.replace(out)
-    finally:
-        part.unlink(missing_ok=True)
+            _html(figure, file)
     return out
 
 
@@ -197,10 +198,15 @@ def _need(module: str):
         raise BadInput(f"plots need {module.split('.')[0]}: pip install 'fleettune[plots]'") from None
 
 
-def _png(figure: Figure, path: Path) -> None:
+def _png(figure: Figure, path) -> None:
     matplotlib = _need("matplotlib")
     matplotlib.use("Agg")
     plt = _need("matplotlib.pyplot")
+    with matplotlib.rc_context({"text.parse_math": False}):  # a "$" in a name is no formula
+        _draw_png(plt, figure, path)
+
+
+def _draw_png(plt, figure: Figure, path) -> None:
     if isinstance(figure, Heatmap):
         fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(figure.x) + 3), max(4, 0.3 * len(figure.y) + 2)))
         import numpy as np
@@ -243,8 +249,10 @@ def _png(figure: Figure, path: Path) -> None:
     plt.close(fig)
 
 
-def _html(figure: Figure, path: Path) -> None:
+def _html(figure: Figure, file) -> None:
+    """Plotly reads its texts as HTML: names are escaped, so markup in one is shown, not run."""
     go = _need("plotly.graph_objects")
+    figure = _escaped(figure)
     if isinstance(figure, Heatmap):
         fig = go.Figure(go.Heatmap(x=[str(v) for v in figure.x], y=[str(v) for v in figure.y], z=figure.z,
                                    colorscale="Viridis", colorbar={"title": figure.value_label}))
@@ -266,4 +274,19 @@ def _html(figure: Figure, path: Path) -> None:
                           yaxis_type="log" if figure.log_y else "linear")
     title = figure.title + (f"<br><sub>{figure.note}</sub>" if getattr(figure, "note", "") else "")
     fig.update_layout(title=title)
-    fig.write_html(path, include_plotlyjs=True, full_html=True)
+    file.write(fig.to_html(include_plotlyjs=True, full_html=True).encode())
+
+
+def _escaped(figure: Figure) -> Figure:
+    """The figure with every text HTML-escaped (titles, labels, notes, annotations)."""
+    import dataclasses
+    import html
+
+    texts = {}
+    for f in dataclasses.fields(figure):
+        value = getattr(figure, f.name)
+        if isinstance(value, str):
+            texts[f.name] = html.escape(value, quote=False)
+        elif f.name in ("labels", "annotations"):
+            texts[f.name] = [html.escape(v, quote=False) for v in value]
+    return dataclasses.replace(figure, **texts)

@@ -77,7 +77,10 @@ def resolve(db: Database, ref: str, *, write: bool = False) -> ModelInfo:
 
 
 def fetch(db: Database, name: str, dest: str | os.PathLike | None = None) -> ModelInfo:
-    path = fetch_known_model(name, dest or models_dir())
+    try:
+        path = fetch_known_model(name, dest or models_dir())
+    except OSError as exc:  # a --dest that cannot be made or written
+        raise BadInput(f"cannot fetch {name} into {exc.filename or dest}: {exc.strerror or exc}") from None
     return register(db, path)
 
 

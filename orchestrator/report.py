@@ -1,22 +1,34 @@
-"""Printers: one list of rows, several formats (table, JSON, newline-delimited JSON, CSV).
+"""Printers: one registry of output formats, each a class over the same rows.
 
-Like llama-bench's printers, each format is one function over the same rows; commands choose
-columns, never formatting.
+Like llama-bench's printers (``create_printer(format)``, then ``print_header``, one ``print_test``
+per row, ``print_footer``), every format here is one ``Printer`` subclass, registered by name; a
+command chooses the rows and their columns (a ``Layout``: one per kind of row), never the
+formatting. Tables and markdown show a layout's columns; JSON, NDJSON and CSV carry every key.
+
+Output safety lives here, once for every command: table cells are printed as plain text (a name
+such as ``[/x]`` is not rich markup, an ESC or BEL is shown as ``\\x1b``, never sent to the
+terminal), markdown cells escape ``|``, and CSV cells that a spreadsheet
+would run as a formula (starting with ``=``, ``+``, ``-``, ``@``, tab or CR) get a leading ``'``,
+as OWASP recommends; numbers are left alone.
 """
 
 from __future__ import annotations
 
-import csv
 import io
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import ClassVar, TextIO
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-FORMATS = ("table", "json", "ndjson", "csv")
+from workers.errors import BadInput
+
 TABLE_WIDTH = 80
 
 
@@ -27,12 +39,37 @@ class Column:
     fmt: str | None = None  # a format spec for numbers, e.g. ".1f"
     justify: str = "left"
     no_wrap: bool = False
+    long_header: str | None = None  # where width does not matter (markdown); default: header
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one kind of row is shown: its columns, and the cells a table shows for a row (by
+    default the row itself; llama-bench rows derive theirs from llama-bench's fields)."""
+
+    columns: tuple[Column, ...] = ()
+    cells: Callable[[Mapping], Mapping] | None = None
+
+    def table_row(self, row: Mapping) -> Mapping:
+        return self.cells(row) if self.cells else row
+
+
+RECORD_LAYOUT = Layout((Column("field", "field"), Column("value", "value")))
 
 
 def _plain(value):
     if isinstance(value, datetime):
         return value.isoformat()
     return value
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """Text for a terminal: control characters (an ESC starting a terminal sequence, a BEL, a
+    line break inside a name) shown as ``\\xNN`` instead of acted on."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _cell(value, fmt: str | None) -> str:
@@ -45,30 +82,116 @@ def _cell(value, fmt: str | None) -> str:
     return str(value)
 
 
-def render(rows: Sequence[dict], columns: Sequence[Column], fmt: str = "table", title: str | None = None) -> str:
-    """Rows as text in ``fmt``; JSON and CSV carry every key of the rows, tables only ``columns``."""
-    if fmt == "json":
-        return json.dumps([{k: _plain(v) for k, v in r.items()} for r in rows], indent=2, default=str)
-    if fmt == "ndjson":
-        return "\n".join(json.dumps({k: _plain(v) for k, v in r.items()}, default=str) for r in rows)
-    if fmt == "csv":
-        keys = list(dict.fromkeys(k for r in rows for k in r)) or [c.key for c in columns]
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=keys, lineterminator="\n")
-        writer.writeheader()
+# ---------------------------------------------------------------- CSV formula neutralisation
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def csv_safe(value: str) -> str:
+    """A text cell a spreadsheet shows as text: a leading ``'`` where it would start a formula.
+
+    A cell that is just a number (``-3``, ``+1.5e3``) stays as it is: it is no formula, and
+    numeric columns must stay numeric.
+    """
+    if value.startswith(FORMULA_STARTS) and not _PLAIN_NUMBER.fullmatch(value):
+        return "'" + value
+    return value
+
+
+# ---------------------------------------------------------------- the printers
+
+
+class Printer:
+    """One output format: ``print_header``, ``print_row`` per row, ``print_footer``.
+
+    ``print_rows`` does all three; ``print_record`` prints one object (a key/value table, or one
+    JSON object). Printers that need every row before the first line (a table sizes its columns,
+    CSV takes its header from every row's keys) buffer rows and write in ``print_footer``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, out: TextIO, layout: Layout = Layout(), title: str | None = None) -> None:
+        self.out = out
+        self.layout = layout
+        self.title = title
+
+    def print_header(self) -> None:
+        """What comes before the first row."""
+
+    def print_row(self, row: Mapping) -> None:
+        raise NotImplementedError
+
+    def print_footer(self) -> None:
+        """What comes after the last row."""
+
+    def print_rows(self, rows: Iterable[Mapping]) -> None:
+        self.print_header()
         for row in rows:
-            writer.writerow({k: _csv_value(row.get(k)) for k in keys})
-        return out.getvalue().rstrip("\n")
-    if fmt != "table":
-        raise ValueError(f"unknown format {fmt}")
-    table = Table(title=title, box=None, pad_edge=False, padding=(0, 1), header_style="bold")
-    for col in columns:
-        table.add_column(col.header, justify=col.justify, overflow="fold", no_wrap=col.no_wrap)
-    for row in rows:
-        table.add_row(*(_cell(row.get(c.key), c.fmt) for c in columns))
-    console = Console(file=io.StringIO(), width=TABLE_WIDTH, color_system=None, force_terminal=False)
-    console.print(table)
-    return console.file.getvalue().rstrip("\n")
+            self.print_row(row)
+        self.print_footer()
+
+    def print_record(self, record: Mapping) -> None:
+        self.print_rows([record])
+
+
+class TablePrinter(Printer):
+    """A rich table, 80 columns wide, cells as plain text (never markup)."""
+
+    name = "table"
+
+    def print_header(self) -> None:
+        self._rows: list[list[Text]] = []
+
+    def print_row(self, row: Mapping) -> None:
+        cells = self.layout.table_row(row)
+        self._rows.append([Text(_visible(_cell(cells.get(c.key), c.fmt))) for c in self.layout.columns])
+
+    def print_footer(self) -> None:
+        table = Table(title=escape(_visible(self.title)) if self.title else None, box=None, pad_edge=False,
+                      padding=(0, 1), header_style="bold")
+        for col in self.layout.columns:
+            table.add_column(Text(col.header), justify=col.justify, overflow="fold", no_wrap=col.no_wrap)
+        for cells in self._rows:
+            table.add_row(*cells)
+        console = Console(file=io.StringIO(), width=TABLE_WIDTH, color_system=None, force_terminal=False)
+        console.print(table)
+        self.out.write(console.file.getvalue().rstrip("\n") + "\n")
+
+    def print_record(self, record: Mapping) -> None:
+        record_printer = TablePrinter(self.out, RECORD_LAYOUT, self.title)
+        record_printer.print_rows({"field": k, "value": _cell(v, None)} for k, v in record.items())
+
+
+class JsonPrinter(Printer):
+    """A JSON array, two-space indented (json.dumps' exact text), streamed row by row."""
+
+    name = "json"
+
+    def print_header(self) -> None:
+        self._count = 0
+        self.out.write("[")
+
+    def print_row(self, row: Mapping) -> None:
+        text = json.dumps({k: _plain(v) for k, v in row.items()}, indent=2, default=str)
+        self.out.write(("," if self._count else "") + "\n" + "\n".join("  " + line for line in text.split("\n")))
+        self._count += 1
+
+    def print_footer(self) -> None:
+        self.out.write("\n]\n" if self._count else "]\n")
+
+    def print_record(self, record: Mapping) -> None:
+        self.out.write(json.dumps({k: _plain(v) for k, v in record.items()}, indent=2, default=str) + "\n")
+
+
+class NdjsonPrinter(Printer):
+    """One JSON object per line (llama-bench's jsonl)."""
+
+    name = "ndjson"
+
+    def print_row(self, row: Mapping) -> None:
+        self.out.write(json.dumps({k: _plain(v) for k, v in row.items()}, default=str) + "\n")
 
 
 def _csv_value(value):
@@ -77,15 +200,141 @@ def _csv_value(value):
     return _plain(value)
 
 
-def render_record(record: dict, fmt: str = "table") -> str:
-    """One object: key/value table, or JSON."""
-    if fmt in ("json", "ndjson"):
-        return json.dumps({k: _plain(v) for k, v in record.items()}, indent=2 if fmt == "json" else None,
-                          default=str)
-    rows = [{"field": k, "value": _cell(v, None)} for k, v in record.items()]
-    if fmt == "csv":
-        return render([record], [], "csv")
-    return render(rows, [Column("field", "field"), Column("value", "value")], "table")
+class CsvPrinter(Printer):
+    """CSV with every key of the rows as a column (the layout's keys when there are no rows)."""
+
+    name = "csv"
+
+    def print_header(self) -> None:
+        self._rows: list[Mapping] = []
+
+    def print_row(self, row: Mapping) -> None:
+        self._rows.append(row)
+
+    def print_footer(self) -> None:
+        keys = list(dict.fromkeys(k for r in self._rows for k in r)) or [c.key for c in self.layout.columns]
+        self.out.write(_csv_line([csv_safe(str(k)) for k in keys]))
+        for row in self._rows:
+            self.out.write(_csv_line([_csv_cell(_csv_value(row.get(k))) for k in keys]))
+
+
+def _csv_cell(value) -> str:
+    """Text neutralised; numbers and booleans as Python prints them; None empty."""
+    if value is None:
+        return ""
+    return csv_safe(value) if isinstance(value, str) else str(value)
+
+
+def _csv_line(cells: list[str]) -> str:
+    """One CSV line as the csv module's minimal quoting writes it, except that a carriage return
+    is quoted too (Python's writer leaves a lone CR bare, which splits the row for readers)."""
+    quoted = ['"' + c.replace('"', '""') + '"' if any(ch in c for ch in ',"\r\n') else c for c in cells]
+    if cells == [""]:
+        quoted = ['""']  # a row of one empty cell is not an empty line
+    return ",".join(quoted) + "\n"
+
+
+class MarkdownPrinter(Printer):
+    """A GitHub markdown table of the layout's columns (llama-bench's default output)."""
+
+    name = "md"
+
+    def print_header(self) -> None:
+        columns = self.layout.columns
+        self.out.write("| " + " | ".join(_md(c.long_header or c.header) for c in columns) + " |\n")
+        self.out.write("| " + " | ".join("---:" if c.justify == "right" else "---" for c in columns) + " |\n")
+
+    def print_row(self, row: Mapping) -> None:
+        cells = self.layout.table_row(row)
+        self.out.write("| " + " | ".join(_md(_cell(cells.get(c.key), c.fmt)) for c in self.layout.columns)
+                       + " |\n")
+
+    def print_record(self, record: Mapping) -> None:
+        MarkdownPrinter(self.out, RECORD_LAYOUT).print_rows(
+            {"field": k, "value": _cell(v, None)} for k, v in record.items())
+
+
+def _md(text: str) -> str:
+    """A markdown cell: a ``|`` or a line break in a name cannot end the cell or the row."""
+    return _visible(text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " "))
+
+
+class QuotedCsvPrinter(Printer):
+    """llama-bench's CSV: a fixed list of fields, every cell quoted, booleans as 0/1, floats
+    with six decimals (``-o csv``), sample lists left out."""
+
+    name = "llama-bench-csv"
+
+    def print_header(self) -> None:
+        self.out.write(",".join(c.key for c in self.layout.columns) + "\n")
+
+    def print_row(self, row: Mapping) -> None:
+        self.out.write(",".join('"' + _quoted_cell(row[c.key]).replace('"', '""') + '"'
+                                for c in self.layout.columns) + "\n")
+
+
+def _quoted_cell(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.6f}"
+    if isinstance(value, int):
+        return str(value)
+    return csv_safe(str(value))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    printer: type[Printer]
+    layout: Layout | None = None  # a format bound to one kind of row (llama-bench's)
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register(name: str, printer: type[Printer], layout: Layout | None = None) -> None:
+    """Make ``name`` a format: ``printer``, over ``layout`` when the format is tied to one kind of
+    row (a llama-bench format), else over the command's own layout."""
+    _REGISTRY[name] = _Entry(printer, layout)
+
+
+for _printer in (TablePrinter, JsonPrinter, NdjsonPrinter, CsvPrinter, MarkdownPrinter):
+    register(_printer.name, _printer)
+
+FORMATS = ("table", "json", "ndjson", "csv", "md")  # the query commands' --format choices
+
+
+def create_printer(fmt: str, out: TextIO, layout: Layout | Sequence[Column] = Layout(),
+                   title: str | None = None) -> Printer:
+    """The printer of format ``fmt`` writing to ``out``; one clear error for an unknown format."""
+    entry = _REGISTRY.get(fmt)
+    if entry is None:
+        raise BadInput(f"unknown format {fmt!r}; choose one of {', '.join(_REGISTRY)}")
+    if not isinstance(layout, Layout):
+        layout = Layout(tuple(layout))
+    return entry.printer(out, entry.layout or layout, title)
+
+
+def formats() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+# ---------------------------------------------------------------- text in, text out
+
+
+def render(rows: Sequence[Mapping], columns: Sequence[Column] | Layout, fmt: str = "table",
+           title: str | None = None) -> str:
+    """Rows as text in ``fmt`` (no final newline): ``create_printer(fmt).print_rows`` to a string."""
+    out = io.StringIO()
+    create_printer(fmt, out, columns, title).print_rows(rows)
+    return out.getvalue().removesuffix("\n")
+
+
+def render_record(record: Mapping, fmt: str = "table") -> str:
+    """One object: a key/value table, or one JSON object (no final newline)."""
+    out = io.StringIO()
+    create_printer(fmt, out).print_record(record)
+    return out.getvalue().removesuffix("\n")
 
 
 def human_bytes(n: int | None) -> str | None:
@@ -105,32 +354,5 @@ def human_params(n: int) -> str:
     return str(n)
 
 
-def bench_rows(model, fp, params, result) -> list[dict]:
-    """llama-bench's table rows (one per test) for a measured configuration."""
-    rows = []
-    for kind in ("pp", "tg"):
-        stats = result.stats(kind)
-        if stats is None:
-            continue
-        n_tokens = next(s.n_tokens for s in result.samples if s.kind == kind)
-        rows.append({
-            "model": f"{model.architecture} {model.file_type}",
-            "size": human_bytes(model.size_bytes),
-            "params": human_params(model.n_params),
-            "backend": fp.backend.upper() if fp.backend != "cpu" else "CPU",
-            "ngl": params.n_gpu_layers,
-            "threads": params.n_threads,
-            "n_batch": params.n_batch,
-            "n_ubatch": params.n_ubatch,
-            "test": f"{kind}{n_tokens}",
-            "tps": f"{stats.mean:.2f} ± {stats.stddev:.2f}",
-            "avg_ts": stats.mean,
-            "median_ts": stats.median,
-            "stddev_ts": stats.stddev,
-            "cv": stats.cv,
-            "samples_ts": [s.tokens_per_s for s in result.samples if s.kind == kind],
-            "samples_ns": [round(s.seconds * 1e9) for s in result.samples if s.kind == kind],
-            "load_s": result.load_s,
-            "peak_rss_bytes": result.peak_rss_bytes,
-        })
-    return rows
+__all__ = ["FORMATS", "Column", "Layout", "Printer", "create_printer", "csv_safe", "formats", "human_bytes",
+           "human_params", "register", "render", "render_record"]

@@ -102,12 +102,11 @@ def test_a_file_that_fails_midway_leaves_the_database_as_it_was(sqlite_url, tmp_
     db = open_database(sqlite_url)
     calls = []
 
-    def failing(*args, **kwargs):
+    def failing(*args, **kwargs):  # after the trials and samples are written, before the commit
         calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("disk full")
+        raise RuntimeError("disk full")
 
-    monkeypatch.setattr(repo, "set_trial_llama_bench_stats", failing)
+    monkeypatch.setattr(repo, "set_trials_llama_bench_stats", failing)
     with pytest.raises(RuntimeError):
         llamabench.import_file(db, FIXTURES / "smollm2.json")
     assert queries.trial_rows(db, state=None) == []
@@ -120,3 +119,24 @@ def test_not_llama_bench_output_is_one_line(sqlite_url, tmp_path):
     path.write_text("a,b\n1,2\n")
     result = run_cli("import", "llama-bench", path, "--db", sqlite_url, ok=False)
     assert result.exit_code == 2 and "not llama-bench output" in result.output
+
+
+@pytest.mark.parametrize("fmt", ["llama-bench-json", "llama-bench-jsonl", "llama-bench-csv"])
+def test_imported_trials_export_and_import_back_unchanged(sqlite_url, tmp_path, fmt):
+    """No Ray, no llama.cpp: the fixture in, out in each of llama-bench's formats, and in again."""
+    run_cli("import", "llama-bench", FIXTURES / "smollm2.json", "--db", sqlite_url)
+    out = tmp_path / f"ours.{fmt}"
+    run_cli("export", "--format", fmt, "--db", sqlite_url, "-o", out)
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    run_cli("import", "llama-bench", out, "--db", fresh)
+    original, back = queries.trial_rows(open_database(sqlite_url)), queries.trial_rows(open_database(fresh))
+    assert len(back) == len(original) == 4
+    means = [r["avg_ts"] for r in llamabench.export_records(queries.export_rows(open_database(sqlite_url)))
+             if r["n_prompt"]]  # what llama-bench's CSV carries instead of the samples
+    for a, b, mean in zip(original, back, means, strict=True):
+        assert (b["chip"], b["model"], b["params"]) == (a["chip"], a["model"], a["params"])
+        if fmt == "llama-bench-csv":  # six decimals, no samples: the median is the mean
+            assert b["pp_tps"] == pytest.approx(mean, rel=1e-6)
+        else:
+            assert b["pp_tps"] == pytest.approx(a["pp_tps"], rel=1e-6)
+        assert b["tg_stddev"] == pytest.approx(a["tg_stddev"], rel=1e-3)

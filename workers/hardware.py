@@ -33,6 +33,7 @@ FROM_DIR_FILES = (
     "nvidia-smi.csv",
 )
 NVIDIA_SMI_QUERY = "name,memory.total,driver_version"
+MAX_CAPTURE_BYTES = 16 * 1024**2  # a command's captured output is kilobytes
 
 
 GIB = 1024**3
@@ -173,7 +174,7 @@ def _int(text: object) -> int | None:
 
 def _memory_text_to_bytes(text: str) -> int | None:
     """"16 GB" as system_profiler prints it (binary units on Macs) into bytes."""
-    match = re.match(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])B", text or "", re.I)
+    match = re.match(r"\s*(\d{1,6}(?:\.\d+)?)\s*([KMGT])B", text or "", re.I)
     if not match:
         return None
     power = "KMGT".index(match.group(2).upper()) + 1
@@ -181,27 +182,50 @@ def _memory_text_to_bytes(text: str) -> int | None:
 
 
 def parse_system_profiler_json(text: str) -> dict:
-    """Fields from ``system_profiler SPHardwareDataType SPDisplaysDataType -json``."""
-    data = json.loads(text)
+    """Fields from ``system_profiler SPHardwareDataType SPDisplaysDataType -json``.
+
+    ValueError for anything not shaped like it (an object of lists of objects of strings).
+    """
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise ValueError("system_profiler JSON nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError("system_profiler JSON is not an object")
     out: dict = {}
-    for item in data.get("SPHardwareDataType", []):
-        out["chip"] = item.get("chip_type") or out.get("chip")
+    for item in _sections(data, "SPHardwareDataType"):
+        out["chip"] = _text(item.get("chip_type")) or out.get("chip")
         procs = item.get("number_processors")
         if isinstance(procs, str):  # "proc 12:8:4" = total:performance:efficiency
             nums = [int(n) for n in re.findall(r"\d+", procs)]
             if len(nums) >= 3:
                 out["logical_cores"], out["p_cores"], out["e_cores"] = nums[:3]
-        if item.get("physical_memory"):
+        if _text(item.get("physical_memory")):
             out["memory_bytes"] = _memory_text_to_bytes(item["physical_memory"])
-        if item.get("machine_model"):
+        if _text(item.get("machine_model")):
             out["model"] = item["machine_model"]
-    for item in data.get("SPDisplaysDataType", []):
-        name = item.get("sppci_model") or item.get("_name")
-        if name and str(name).startswith("Apple"):
+    for item in _sections(data, "SPDisplaysDataType"):
+        name = _text(item.get("sppci_model")) or _text(item.get("_name"))
+        if name and name.startswith("Apple"):
             out.setdefault("gpu_name", name)
             out["display_chip"] = name
             out["gpu_cores"] = _int(item.get("sppci_cores"))
     return out
+
+
+def _sections(data: dict, name: str) -> list[dict]:
+    """The list of objects system_profiler prints under ``name``; ValueError for another shape."""
+    items = data.get(name, [])
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ValueError(f"system_profiler JSON: {name} is not a list of objects")
+    return items
+
+
+def _text(value: object) -> str | None:
+    """A string field, or None; ValueError for a number, list or object where text belongs."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"system_profiler JSON: {value!r} where text belongs")
 
 
 def parse_system_profiler_text(text: str) -> dict:
@@ -400,16 +424,22 @@ def fingerprint_from_dir(directory: str | os.PathLike) -> Fingerprint:
     if not path.is_dir():
         raise BadInput(f"{directory}: not a directory")
     texts: dict[str, list[str]] = {}
-    for file in sorted(path.iterdir()):
-        kind = _source_kind(file.name) if file.is_file() else None
-        if kind:
+    try:
+        for file in sorted(path.iterdir()):
+            kind = _source_kind(file.name) if file.is_file() else None
+            if not kind:
+                continue
+            if file.stat().st_size > MAX_CAPTURE_BYTES:
+                raise BadInput(f"{file}: larger than {MAX_CAPTURE_BYTES // 1024**2} MiB, not a captured output")
             texts.setdefault(kind, []).append(file.read_text(errors="replace"))
+    except OSError as exc:
+        raise BadInput(f"{exc.filename or directory}: cannot read: {exc.strerror or exc}") from None
     if not texts:
         raise BadInput(f"{directory}: none of {', '.join(FROM_DIR_FILES)} found")
     try:
         return _fingerprint_from_texts(texts)
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise BadInput(f"{directory}: cannot parse captured output: {exc}") from exc
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise BadInput(f"{directory}: cannot parse captured output: {exc}") from None
 
 
 def _fingerprint_from_texts(captures: dict[str, list[str]]) -> Fingerprint:

@@ -7,6 +7,7 @@ a re-quantised file with the same name is another.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.errors import BadInput
+from workers.files import cannot_write, check_writable, part_path
 
 if TYPE_CHECKING:  # numpy is imported lazily: see _random_tensor
     import numpy as np
@@ -391,10 +393,8 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
     if shape_name not in ARCH_SHAPES:
         raise BadInput(f"unknown shape {shape_name!r}; known: {', '.join(ARCH_SHAPES)}")
     shape = ARCH_SHAPES[shape_name]
-    target = Path(out)
-    if not target.parent.is_dir():
-        raise BadInput(f"{target.parent}: no such directory")
-    part = target.with_name(target.name + ".part")
+    target = check_writable(out)
+    part = part_path(target)
     writer = gguf.GGUFWriter(str(part), "llama")
     try:
         n_vocab = _copy_tokenizer(writer, vocab_from)
@@ -432,8 +432,14 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
             writer.write_tensor_data(data.reshape(-1) if tensor.rows == 1 else data)
         writer.close()
         os.replace(part, target)
-    except BaseException:
-        writer.close()
-        part.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            writer.close()
+        with contextlib.suppress(OSError):
+            part.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename not in (None, str(part)):
+            raise BadInput(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
+        if isinstance(exc, OSError):  # not writable there: a read-only or pseudo file system, a full disk
+            raise cannot_write(out, exc) from None
         raise
     return read_model_info(target)

@@ -68,6 +68,19 @@ def ray_label(chip: Fingerprint) -> str:
     return chip.label.replace(" ", "_").replace("/", ".")
 
 
+MAX_SPEC_NUMBER = 4096  # above any Apple chip's GPU cores or memory GB
+
+
+def _count(text: str, parts: list[str], index: int, what: str) -> int | None:
+    """A chip spec's numeric part (GPU cores, memory GB), or None where it is left out."""
+    if len(parts) <= index or not parts[index]:
+        return None
+    if not re.fullmatch(r"[0-9]{1,4}", parts[index]) or not 0 < int(parts[index]) <= MAX_SPEC_NUMBER:
+        raise BadInput(f"bad chip {text!r}: {what} {parts[index]!r} is not a whole number from 1 to "
+                       f"{MAX_SPEC_NUMBER}")
+    return int(parts[index])
+
+
 def parse_chip(text: str) -> Fingerprint:
     """"M2 Ultra/76" or "M2 Ultra/76/192" (family / GPU cores / memory GB) into the fingerprint a
     simulated Mac of that bin reports.
@@ -77,8 +90,10 @@ def parse_chip(text: str) -> Fingerprint:
     if "/" not in text and "." in text:
         text = text.replace("_", " ").replace(".", "/")
     parts = [p.strip() for p in text.split("/")]
+    if len(parts) > 3:
+        raise BadInput(f"bad chip {text!r}: expected FAMILY[/GPU cores[/memory GB]], e.g. \"M2 Ultra/76/192\"")
     family = re.sub(r"^apple\s+", "", parts[0], flags=re.I)
-    gpu = int(parts[1]) if len(parts) > 1 and parts[1] else None
+    gpu = _count(text, parts, 1, "GPU cores")
     bins = [b for b in chip_table() if b.family.lower() == family.lower()]
     if not bins:
         families = sorted({b.family for b in chip_table()})
@@ -89,7 +104,7 @@ def parse_chip(text: str) -> Fingerprint:
             options = ", ".join(str(b.gpu_cores) for b in apple_bins(family))
             raise BadInput(f"unknown chip {text!r}: {family} comes with {options} GPU cores")
     b = max(bins, key=lambda b: (b.gpu_cores, b.p_cores))
-    memory = int(parts[2]) if len(parts) > 2 and parts[2] else BASE_MEMORY_GB[b.family]
+    memory = _count(text, parts, 2, "memory GB") or BASE_MEMORY_GB[b.family]
     return replace(b, memory_bytes=memory * GIB, os="macOS (simulated)")
 
 
@@ -371,6 +386,9 @@ def search_grid(chip: Fingerprint, shape: ModelShape, batch_choices=(128, 256, 5
 def optimum(chip: Fingerprint, shape: ModelShape, objective: str = "tg", n_prompt: int = 512,
             n_gen: int = 128, scenario: str = "calibrated") -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
+    from workers.objective import objective as named_objective
+
+    named_objective(objective).check_workload(n_prompt, n_gen)  # tg of 0 tokens has no optimum
     best = None
     for params in search_grid(chip, shape):
         pred = predict(chip, shape, params, n_prompt, n_gen, scenario)

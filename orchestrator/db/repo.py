@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload
 
@@ -26,6 +26,7 @@ from orchestrator.db.models import (
 from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
+from workers.objective import OBJECTIVES
 from workers.trial import TrialResult
 
 if TYPE_CHECKING:  # learn is the head's logic, not a dependency of the database layer
@@ -347,15 +348,20 @@ def finish_trial(session: Session, trial_id: int, result: TrialResult, *, object
     finish_trials(session, [FinishedTrial(trial_id, result, objective_value, e2e_s, node_id)])
 
 
-def set_trial_llama_bench_stats(session: Session, trial_id: int, stats: dict[str, tuple[float, float]]) -> None:
-    """Keep llama-bench's own mean and stddev (per kind) on an imported trial."""
-    trial = session.get(Trial, trial_id)
-    for kind, (mean, stddev) in stats.items():
-        setattr(trial, f"{kind}_tps_mean", mean)
-        setattr(trial, f"{kind}_tps_stddev", stddev)
-        setattr(trial, f"{kind}_cv", stddev / mean if mean else None)
-        if getattr(trial, f"{kind}_tps_median") is None:
-            setattr(trial, f"{kind}_tps_median", mean)
+def set_trials_llama_bench_stats(session: Session, stats: dict[int, dict[str, tuple[float, float]]]) -> None:
+    """Keep llama-bench's own mean and stddev (per kind) on imported trials, in bulk: {trial id:
+    {kind: (mean, stddev)}}; each kind's median stays the one of its samples."""
+    rows = []
+    for trial_id, by_kind in stats.items():
+        row = {"id": trial_id}
+        for kind, (mean, stddev) in by_kind.items():
+            row |= {f"{kind}_tps_mean": mean, f"{kind}_tps_stddev": stddev, f"{kind}_cv": stddev / mean if mean else None}
+        rows.append(row)
+    by_shape: dict[tuple, list[dict]] = {}  # one executemany per set of columns
+    for row in rows:
+        by_shape.setdefault(tuple(sorted(row)), []).append(row)
+    for group in by_shape.values():
+        session.execute(update(Trial), group)
 
 
 def fail_running_trials(session: Session, study_id: int, reason: str) -> list[int]:
@@ -374,6 +380,19 @@ def study_trials(session: Session, study_id: int, phase: str | None = None) -> l
 
 
 # ---------------------------------------------------------------- queries for the CLI
+
+
+def _chip_matches(chip: str):
+    """A chip key, or a prefix of keys up to a dash; ``%`` and ``_`` are the user's characters,
+    never LIKE wildcards."""
+    return or_(Chip.key == chip, Chip.key.startswith(chip + "-", autoescape=True))
+
+
+def _best_first():
+    """A sort key that puts each trial's best values first, by its study's objective direction
+    (seconds of e2e ascending, tok/s descending)."""
+    minimised = [o.name for o in OBJECTIVES.values() if not o.maximize]
+    return case((Study.objective.in_(minimised), Trial.objective_value), else_=-Trial.objective_value)
 
 
 @dataclass(frozen=True)
@@ -396,10 +415,10 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
                  joinedload(Trial.node))
     )
     if flt.chip:
-        query = query.where(or_(Chip.key == flt.chip, Chip.key.startswith(flt.chip + "-")))
+        query = query.where(_chip_matches(flt.chip))
     if flt.model:
         ref = flt.model.lower()
-        query = query.where(or_(func.lower(Model.name) == ref, Model.sha256.startswith(ref)))
+        query = query.where(or_(func.lower(Model.name) == ref, Model.sha256.startswith(ref, autoescape=True)))
     if flt.study:
         query = query.where(Study.name == flt.study)
     if flt.state:
@@ -408,10 +427,16 @@ def query_trials(session: Session, flt: ResultFilter) -> list[Trial]:
         query = query.where(Trial.simulated == flt.simulated)
     if flt.top:
         query = query.where(Trial.objective_value.is_not(None))
-        query = query.order_by(Trial.objective_value.desc(), Trial.id).limit(flt.top)
+        query = query.order_by(_best_first(), Trial.id).limit(flt.top)
     else:
         query = query.order_by(Trial.id)
     return list(session.scalars(query).unique())
+
+
+def studies_from_source(session: Session, source_sha256: str) -> list[str]:
+    """Names of the studies imported from a file with these bytes (oldest first)."""
+    return list(session.scalars(select(Study.name).where(Study.source_sha256 == source_sha256)
+                                .order_by(Study.id)))
 
 
 @dataclass(frozen=True)
@@ -500,7 +525,7 @@ def latest_recommendations(
         .where(Recommendation.model_id.in_(model_ids))
     )
     if chip_key:
-        query = query.where(or_(Chip.key == chip_key, Chip.key.startswith(chip_key + "-")))
+        query = query.where(_chip_matches(chip_key))
     if objective:
         query = query.where(Recommendation.objective == objective)
     rows = list(session.scalars(query.order_by(Recommendation.version.desc())).unique())

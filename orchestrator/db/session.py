@@ -79,14 +79,14 @@ def redact(url: str | URL) -> str:
     """The URL without its password, for messages and logs."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         return "<unparseable URL>"
 
 
 def _parse(url: str) -> URL:
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise BadInput(f"bad database URL {redact(url)!r}: expected e.g. sqlite:///path.db") from None
     if parsed.drivername == "postgresql":  # psycopg 3 is the driver fleettune ships with
         parsed = parsed.set(drivername="postgresql+psycopg")
@@ -183,7 +183,10 @@ def open_database(url: str | None = None, *, create: bool = True, check: bool = 
     """Open (and on first use create) the database; refuse one at another schema version."""
     url = url or default_db_url()
     if url == default_db_url() and not os.environ.get("FLEETTUNE_DB"):
-        data_dir().mkdir(parents=True, exist_ok=True)
+        try:
+            data_dir().mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadInput(f"cannot create the data folder {data_dir()}: {exc.strerror or exc}") from None
     db = Database(make_engine(url))
     try:
         if not check:
@@ -211,3 +214,6 @@ def open_database(url: str | None = None, *, create: bool = True, check: bool = 
         db.dispose()
         reason = str(exc.orig if getattr(exc, "orig", None) else exc).strip().splitlines()[0]
         raise BadInput(f"cannot open database {db.display_url}: {reason}") from None
+    except (ValueError, OSError) as exc:  # a driver refusing the URL itself, e.g. a NUL in a path
+        db.dispose()
+        raise BadInput(f"cannot open database {db.display_url}: {exc}") from None
