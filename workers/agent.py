@@ -23,6 +23,8 @@ TIME_SCALE_LABEL = "fleettune.io/time-scale"
 SPEED_LABEL = "fleettune.io/speed"  # a simulated node's speed relative to its chip (a degraded Mac)
 TRIAL_S_LABEL = "fleettune.io/trial-s"  # a simulated node whose every trial takes this many seconds
 
+NODE_LOST = "node lost"  # the failure reason of a trial whose node left the cluster
+
 _simulated_nodes: dict = {}  # per node id: its simulated Mac (keeps heat between trials)
 
 
@@ -95,7 +97,14 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     sim = simulated_node(node_id, labels)
     if spec.cooldown_s > 0 and not sim:
         time.sleep(spec.cooldown_s)  # let the machine cool between trials; not synchronisation
-    result = sim.measure(spec) if sim else bench.measure(spec)
+    if sim:
+        result = sim.measure(spec)
+    else:
+        # This worker's parent is its node's raylet. When the raylet dies, Ray does not always stop
+        # its workers (it checks for a parent of pid 1, and here the reaper may be another one),
+        # so a trial whose node is gone for the cluster would go on measuring: stop it.
+        raylet = os.getppid()
+        result = bench.measure(spec, stop_when=lambda: None if os.getppid() == raylet else NODE_LOST)
     result.node_id = node_id
     result.hostname = labels.get(HOSTNAME_LABEL) or socket.gethostname()
     return result
