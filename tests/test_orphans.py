@@ -35,14 +35,16 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason=
 
 
 def measuring(marker: str) -> list[int]:
-    """Live (not zombie) `workers.bench` processes whose environment carries ``marker``."""
+    """Live (not zombie) measuring processes whose environment carries ``marker``: `workers.bench`
+    run on a trial's spec.json (not a parent that merely imports workers.bench)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"workers.bench" not in cmdline:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if not any(b"workers.bench" in arg for arg in argv) or not any(
+                    arg.endswith(b"/spec.json") for arg in argv):
                 continue
             if f"{MARKER}={marker}".encode() not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
@@ -52,6 +54,16 @@ def measuring(marker: str) -> list[int]:
         if state != "Z":
             found.append(int(entry.name))
     return found
+
+
+def loaded(marker: str) -> list[int]:
+    """The marked measuring processes that have the model mapped: past start-up, measuring."""
+    pids = []
+    for pid in measuring(marker):
+        with contextlib.suppress(OSError):
+            if b".gguf" in Path(f"/proc/{pid}/maps").read_bytes():
+                pids.append(pid)
+    return pids
 
 
 def long_spec(model_info, key: str) -> TrialSpec:
@@ -84,7 +96,7 @@ def test_the_measurement_dies_with_the_process_that_started_it(model_info, sig):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, json.dumps(asdict(spec))],
                               env=marked_env(marker), start_new_session=True)
     try:
-        wait_until(lambda: measuring(marker), timeout=120)
+        wait_until(lambda: loaded(marker), timeout=120)
         parent.send_signal(sig)  # the parent only: the child has a session of its own
         assert parent.wait(timeout=30) == -sig
         assert_none_left(marker)
@@ -101,7 +113,7 @@ def test_ctrl_c_of_fleettune_bench_stops_the_measurement(model_path, sqlite_url)
     proc = subprocess.Popen(args, env=marked_env(marker), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
-        wait_until(lambda: measuring(marker), timeout=120)
+        wait_until(lambda: loaded(marker), timeout=120)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends to its foreground group
         proc.wait(timeout=30)
         assert_none_left(marker)
@@ -129,7 +141,7 @@ def test_the_child_exits_when_its_lifeline_closes(model_info, tmp_path):
                              env=marked_env(marker), pass_fds=(read_end,), start_new_session=True)
     os.close(read_end)
     try:
-        wait_until(lambda: measuring(marker), timeout=120)
+        wait_until(lambda: loaded(marker), timeout=120)
         holder.kill()
         holder.wait()
         assert child.wait(timeout=GONE_WITHIN_S) == PARENT_GONE_EXIT
@@ -188,13 +200,15 @@ def test_a_killed_raylet_leaves_no_measurement(marked_node, model_info):
     marker = marked_node["marker"]
     dispatcher = Dispatcher()
     ref = dispatcher.submit(long_spec(model_info, "raylet-" + marker[:8]), marked_node["chip"])
-    wait_until(lambda: measuring(marker), timeout=120)
+    wait_until(lambda: loaded(marker), timeout=120)
     os.kill(raylet_pid(marked_node["node"]), signal.SIGKILL)
     assert_none_left(marker)
     assert dispatcher.result(ref, "k").error == "node lost"
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("marked_node", [True, False], ids=["ray-kills-children", "as-on-macos"],
+                         indirect=True)
 def test_a_killed_driver_leaves_no_measurement(marked_node, model_info, ray_cluster):
     marker = marked_node["marker"]
     spec = long_spec(model_info, "driver-" + marker[:8])
@@ -211,7 +225,7 @@ def test_a_killed_driver_leaves_no_measurement(marked_node, model_info, ray_clus
                               env={**os.environ, **ray_cluster["env"]}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_until(lambda: measuring(marker), timeout=180)
+        wait_until(lambda: loaded(marker), timeout=180)
         driver.kill()
         driver.wait()
         assert_none_left(marker)
@@ -231,7 +245,7 @@ def test_ray_force_cancel_leaves_no_measurement(marked_node, model_info):
     marker = marked_node["marker"]
     dispatcher = Dispatcher()
     ref = dispatcher.submit(long_spec(model_info, "cancel-" + marker[:8]), marked_node["chip"])
-    wait_until(lambda: measuring(marker), timeout=120)
+    wait_until(lambda: loaded(marker), timeout=120)
     dispatcher.cancel(ref)
     assert_none_left(marker)
     assert dispatcher.result(ref, "k").error in ("interrupted", "node lost")
