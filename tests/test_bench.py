@@ -185,9 +185,10 @@ def test_the_measuring_process_takes_the_digest_from_the_cache(tmp_path, model_p
     assert measure(spec).ok
 
 
-def test_digest_cache_hashes_once_per_file_version(tmp_path):
+def test_digest_cache_hashes_once_per_file_version(tmp_path, monkeypatch):
     from workers import digests
 
+    monkeypatch.setenv("FLEETTUNE_HOME", str(tmp_path / "home"))
     model = tmp_path / "m.bin"
     model.write_bytes(b"a" * 1000)
     before = digests.hashes_computed

@@ -22,8 +22,6 @@ from tests.conftest import wait_until
 from workers import agent
 from workers.errors import BadInput
 
-pytestmark = pytest.mark.cluster
-
 
 def sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -39,6 +37,7 @@ def real_node(ray_cluster) -> dispatch.BenchNode:
     return next(n for n in dispatch.bench_nodes() if n.ray_node_id == node_id)
 
 
+@pytest.mark.cluster
 def test_a_push_copies_verifies_and_renames(real_node, model_path, model_info, tmp_path):
     dest = tmp_path / "models" / "smollm2.gguf"
     outcome = dispatch.push_model(str(model_path), model_info.sha256, [real_node], dest=str(dest),
@@ -49,6 +48,7 @@ def test_a_push_copies_verifies_and_renames(real_node, model_path, model_info, t
     assert again == {real_node.ray_node_id: "present"}
 
 
+@pytest.mark.cluster
 def test_a_different_file_is_replaced_only_with_force(real_node, model_path, model_info, tmp_path):
     dest = tmp_path / "smollm2.gguf"
     dest.write_bytes(b"someone else's model")
@@ -61,6 +61,7 @@ def test_a_different_file_is_replaced_only_with_force(real_node, model_path, mod
     assert sha256(dest) == model_info.sha256 and not leftovers(tmp_path)
 
 
+@pytest.mark.cluster
 def test_a_source_changed_since_registration_is_bad_input(real_node, tmp_path):
     source = tmp_path / "model.gguf"
     source.write_bytes(b"version 1")
@@ -83,6 +84,7 @@ def test_a_copy_that_does_not_verify_is_not_renamed(tmp_path):
         agent.write_model_chunk(str(dest), 0, b"x")  # only a push's temp file is ever written
 
 
+@pytest.mark.cluster
 def test_a_node_killed_mid_push_is_that_nodes_error(ray_cluster, tmp_path):
     from ray._private import ray_constants
 
