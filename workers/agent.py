@@ -100,9 +100,9 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     if sim:
         result = sim.measure(spec)
     else:
-        # This worker's parent is its node's raylet. When the raylet dies, Ray does not always stop
-        # its workers (it checks for a parent of pid 1, and here the reaper may be another one),
-        # so a trial whose node is gone for the cluster would go on measuring: stop it.
+        # This worker's parent is its node's raylet. A busy worker can outlive a SIGKILLed raylet
+        # (Ray 2.60 on Linux: still measuring 50 s later), measuring for a node the cluster has
+        # written off: stop as soon as the parent is gone.
         raylet = os.getppid()
         result = bench.measure(spec, stop_when=lambda: None if os.getppid() == raylet else NODE_LOST)
     result.node_id = node_id
@@ -128,12 +128,13 @@ def model_status(path: str, sha256: str) -> str:
 def begin_model(path: str) -> str:
     """Start a push to ``path``: a fresh temp file beside it (same filesystem, so the final rename
     is atomic), after removing the temp files of earlier pushes to it that died midway."""
+    import glob
     import tempfile
     from pathlib import Path
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.*{PART_SUFFIX}"):
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*{PART_SUFFIX}"):
         stale.unlink(missing_ok=True)
     fd, part = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PART_SUFFIX, dir=target.parent)
     os.close(fd)
