@@ -180,18 +180,22 @@ def model_list(db_url: str | None, fmt: str) -> None:
 @click.argument("model_ref", metavar="MODEL")
 @click.option("--chip", "chip_key", help="Only nodes of this chip.")
 @click.option("--address", help="Ray cluster address (default: the local head).")
+@click.option("--force", is_flag=True, help="Replace a different file at the model's path on a node.")
 @db_option
 @output_options()
-def model_push(model_ref, chip_key, address, db_url, fmt) -> None:
-    """Copy a model to the nodes that lack it (same path as here), sha256-checked."""
+def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
+    """Copy a model to the nodes that lack it (same path as here), sha256-checked on each node."""
     from orchestrator import dispatch, registry
 
     info = registry.resolve(_open_db(db_url), model_ref)
     with dispatch.connected(address or "auto"):
         nodes = [n for n in dispatch.bench_nodes(chip_key) if not n.simulated]
-        outcome = dispatch.push_model(info.path, info.sha256, nodes)
+        outcome = dispatch.push_model(info.path, info.sha256, nodes, force=force)
     rows = [{"node": node_id[:12], "result": result} for node_id, result in outcome.items()]
     click.echo(render(rows, [Column("node", "node"), Column("result", "result")], fmt))
+    missed = [r for r in rows if r["result"].startswith(("failed", "refused"))]
+    if missed:
+        raise FleettuneError(f"{len(missed)} of {len(rows)} nodes do not have the model")
 
 
 # ---------------------------------------------------------------- bench

@@ -12,6 +12,7 @@ The other implementation is ``orchestrator.virtual.VirtualFleet``: simulated nod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -291,26 +292,91 @@ class RayDispatcher:
 
 
 PUSH_CHUNK = 64 << 20
+PUSH_CALL_TIMEOUT_S = 300.0  # one call to a node (a chunk of PUSH_CHUNK, or hashing the copy)
+LOST_NODE_ERRORS = ("NodeDiedError", "WorkerCrashedError", "ObjectLostError", "OwnerDiedError",
+                    "TaskUnschedulableError", "ActorDiedError", "RaySystemError")
 
 
-def push_model(path: str, sha256: str, nodes: list[BenchNode]) -> dict[str, str]:
-    """Copy a model to every node that lacks it, sha256-checked; returns node id -> outcome."""
-    import ray
+def push_model(path: str, sha256: str, nodes: list[BenchNode], *, force: bool = False,
+               dest: str | None = None, chunk_bytes: int = PUSH_CHUNK,
+               timeout_s: float = PUSH_CALL_TIMEOUT_S) -> dict[str, str]:
+    """Copy the model at ``path`` to ``dest`` (default: the same path) on every node that lacks it.
 
-    def on(node: BenchNode, func):
-        return on_node(func, node.ray_node_id)
+    Returns node id -> outcome: "present", "copied", "replaced" (only with ``force``),
+    ``agent.REFUSED`` (a different file is there), or "failed: REASON" (a node lost mid-push, a
+    disk full, a copy whose sha256 does not verify). A node's file is replaced only by a rename
+    after the copy verified there, so a failed push leaves it as it was, without a temp file
+    (one left on a node that died is removed by the next push to that path).
+    """
+    from workers import digests
 
-    outcome = {}
-    for node in nodes:
-        status = ray.get(on(node, agent.model_status).remote(path, sha256))
-        if status == "present":
-            outcome[node.ray_node_id] = "present"
-            continue
-        with open(path, "rb") as handle:
-            offset = 0
-            while chunk := handle.read(PUSH_CHUNK):
-                ray.get(on(node, agent.write_model_chunk).remote(path, offset, chunk))
-                offset += len(chunk)
-        ok = ray.get(on(node, agent.finish_model).remote(path, sha256))
-        outcome[node.ray_node_id] = "copied" if ok else "failed: sha256 mismatch"
-    return outcome
+    try:
+        here = digests.sha256_cached(path)
+    except OSError as exc:
+        raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from None
+    if here != sha256:
+        raise BadInput(f"{path} has changed since it was registered (sha256 {here[:12]}, "
+                       f"registered {sha256[:12]}); register it again")
+    push = _Push(path, dest or path, sha256, force, chunk_bytes, timeout_s)
+    return {node.ray_node_id: push.to(node) for node in nodes}
+
+
+class _Push:
+    """One model pushed to nodes one at a time; every failure is that node's outcome line."""
+
+    def __init__(self, source: str, dest: str, sha256: str, force: bool, chunk_bytes: int,
+                 timeout_s: float) -> None:
+        import ray
+
+        self._ray = ray
+        self.source, self.dest, self.sha256, self.force = source, dest, sha256, force
+        self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
+
+    def _call(self, node: BenchNode, func, *args, timeout_s: float | None = None):
+        ref = on_node(func, node.ray_node_id).remote(*args)
+        try:
+            return self._ray.get(ref, timeout=timeout_s or self.timeout_s)
+        except self._ray.exceptions.GetTimeoutError:
+            self._ray.cancel(ref, force=True)
+            raise
+
+    def to(self, node: BenchNode) -> str:
+        part = None
+        try:
+            status = self._call(node, agent.model_status, self.dest, self.sha256)
+            if status == "present":
+                return "present"
+            if status == "different" and not self.force:
+                return agent.REFUSED
+            part = self._call(node, agent.begin_model, self.dest)
+            with open(self.source, "rb") as handle:
+                offset = 0
+                while chunk := handle.read(self.chunk_bytes):
+                    self._call(node, agent.write_model_chunk, part, offset, chunk)
+                    offset += len(chunk)
+            outcome = self._call(node, agent.finish_model, self.dest, part, self.sha256, self.force)
+            part = None  # finish_model removes it, whatever its outcome
+            return outcome
+        except self._ray.exceptions.RayError as exc:
+            return f"failed: {self._reason(exc)}"
+        except OSError as exc:  # the head's own copy became unreadable midway
+            return f"failed: reading {self.source}: {exc.strerror or exc}"
+        finally:
+            if part is not None:
+                self._discard(node, part)
+
+    def _reason(self, exc) -> str:
+        if isinstance(exc, self._ray.exceptions.GetTimeoutError):
+            return f"the node did not answer within {self.timeout_s:g}s"
+        if isinstance(exc, self._ray.exceptions.RayTaskError) and not isinstance(
+                exc.cause, self._ray.exceptions.RayError):
+            return str(exc.cause) or type(exc.cause).__name__  # e.g. the node's disk is full
+        if type(exc).__name__ in LOST_NODE_ERRORS or isinstance(
+                exc, self._ray.exceptions.NodeDiedError | self._ray.exceptions.WorkerCrashedError):
+            return "node lost"
+        return f"ray error: {type(exc).__name__}"
+
+    def _discard(self, node: BenchNode, part: str) -> None:
+        """Remove the temp file of a push that failed midway (if the node still answers)."""
+        with contextlib.suppress(self._ray.exceptions.RayError):  # a lost node: the next push
+            self._call(node, agent.discard_model_part, part, timeout_s=10)  # to this path does it

@@ -65,7 +65,11 @@ def test_corrupt_model_is_a_failed_trial_and_we_live_on(tmp_path, model_info, mo
     broken = tmp_path / "broken.gguf"
     data = bytearray(model_path.read_bytes()[: 8 << 20])
     broken.write_bytes(bytes(data))  # the header is intact, the tensors are cut off
-    spec = dataclasses.replace(_spec(model_info), model_path=str(broken))
+    from workers.models import sha256_file
+
+    # registered as it is (a corrupt file that is the study's model), so it gets as far as loading
+    spec = dataclasses.replace(_spec(model_info), model_path=str(broken),
+                               model_sha256=sha256_file(broken))
     result = measure(spec)
     assert not result.ok and "could not load" in result.error
     assert measure(_spec(model_info)).ok  # the caller is unaffected
@@ -130,3 +134,85 @@ def test_the_measuring_subprocess_loads_no_numpy_before_llama_cpp():
     code = "import sys, workers.bench; print('numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- the model checked before loading
+
+
+def _copy(model_path, dest):
+    import shutil
+
+    shutil.copyfile(model_path, dest)
+    return dest
+
+
+def test_a_model_changed_between_trials_fails_the_second(tmp_path, model_path, model_info):
+    """Same path, same size, even the mtime put back: the second trial is not measured."""
+    import os
+
+    copy = _copy(model_path, tmp_path / "model.gguf")
+    spec = dataclasses.replace(_spec(model_info), model_path=str(copy))
+    assert measure(spec).ok
+    before = os.stat(copy)
+    with open(copy, "r+b") as handle:  # one byte of the last tensor: still loads, another model
+        handle.seek(before.st_size - 100)
+        byte = handle.read(1)
+        handle.seek(before.st_size - 100)
+        handle.write(bytes([byte[0] ^ 0x55]))
+    os.utime(copy, ns=(before.st_atime_ns, before.st_mtime_ns))
+    result = measure(spec)
+    assert not result.ok and result.error.startswith("model changed"), result.error
+    assert not result.samples
+
+
+def test_the_measuring_process_takes_the_digest_from_the_cache(tmp_path, model_path, model_info):
+    """The child hashes a file once: after a forged cache entry (same file, other digest) the
+    next trial fails, which it cannot if it hashed the file again."""
+    import json
+
+    from workers import digests
+
+    copy = _copy(model_path, tmp_path / "model.gguf")
+    spec = dataclasses.replace(_spec(model_info), model_path=str(copy))
+    assert measure(spec).ok
+    cache = json.loads(digests.cache_path().read_text())
+    entry = cache[str(copy.resolve())]
+    assert entry["sha256"] == model_info.sha256
+    entry["sha256"] = "0" * 64
+    digests.cache_path().write_text(json.dumps(cache))
+    assert measure(spec).error.startswith("model changed")
+    copy.touch()  # a new mtime: hashed again, and the file is the model
+    assert measure(spec).ok
+
+
+def test_digest_cache_hashes_once_per_file_version(tmp_path, monkeypatch):
+    from workers import digests
+
+    monkeypatch.setenv("FLEETTUNE_HOME", str(tmp_path / "home"))
+    model = tmp_path / "m.bin"
+    model.write_bytes(b"a" * 1000)
+    before = digests.hashes_computed
+    first = digests.sha256_cached(model)
+    assert digests.sha256_cached(model) == first and digests.hashes_computed == before + 1
+    model.write_bytes(b"b" * 1000)
+    assert digests.sha256_cached(model) != first and digests.hashes_computed == before + 2
+    digests.cache_path().write_text("not json")  # a corrupt cache costs a hash, nothing else
+    assert digests.sha256_cached(model) and digests.hashes_computed == before + 3
+
+
+# ---------------------------------------------------------------- an isolated measuring process
+
+
+@pytest.mark.parametrize("how", ["cwd", "PYTHONPATH"])
+def test_a_local_workers_folder_does_not_shadow_the_package(tmp_path, monkeypatch, model_info, how):
+    bogus = tmp_path / "shadow" / "workers"
+    bogus.mkdir(parents=True)
+    (bogus / "__init__.py").write_text("raise SystemExit('a bogus workers package was imported')\n")
+    (bogus / "bench.py").write_text("raise SystemExit('a bogus workers.bench was imported')\n")
+    if how == "cwd":
+        monkeypatch.chdir(bogus.parent)
+    else:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("PYTHONPATH", str(bogus.parent))
+    result = measure(_spec(model_info))
+    assert result.ok, result.error

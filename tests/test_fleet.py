@@ -219,19 +219,22 @@ def test_mix_and_chip_errors():
 def test_model_push(sqlite_url, model_path, model_info, fleet_cluster, tmp_path):
     rows = json.loads(run_cli("model", "push", model_path, "--db", sqlite_url, "--json"))
     assert [r["result"] for r in rows] == ["present"]  # the real node shares this disk
-    # what a node does with a pushed copy: chunks, then a sha256 check before the atomic rename
+    # what a node does with a pushed copy: a temp file beside the target, chunks, then a sha256
+    # check before the atomic rename (more in tests/test_push.py)
     from workers import agent
 
     dest = str(tmp_path / "pushed.gguf")
     data = model_path.read_bytes()
     assert agent.model_status(dest, model_info.sha256) == "missing"
+    part = agent.begin_model(dest)
     for offset in range(0, len(data), 32 << 20):
-        agent.write_model_chunk(dest, offset, data[offset:offset + (32 << 20)])
-    assert agent.finish_model(dest, model_info.sha256)
+        agent.write_model_chunk(part, offset, data[offset:offset + (32 << 20)])
+    assert agent.finish_model(dest, part, model_info.sha256) == "copied"
     assert agent.model_status(dest, model_info.sha256) == "present"
-    agent.write_model_chunk(dest + "2", 0, data[:1000])
-    assert not agent.finish_model(dest + "2", model_info.sha256)
-    assert not os.path.exists(dest + "2") and not os.path.exists(dest + "2.part")
+    part = agent.begin_model(dest + "2")
+    agent.write_model_chunk(part, 0, data[:1000])
+    assert agent.finish_model(dest + "2", part, model_info.sha256) == "failed: sha256 mismatch"
+    assert not os.path.exists(dest + "2") and not os.path.exists(part)
 
 
 def test_a_gpu_study_measures_full_offload_and_the_warm_start_first(sqlite_url, fleet_cluster):

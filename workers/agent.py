@@ -23,6 +23,8 @@ TIME_SCALE_LABEL = "fleettune.io/time-scale"
 SPEED_LABEL = "fleettune.io/speed"  # a simulated node's speed relative to its chip (a degraded Mac)
 TRIAL_S_LABEL = "fleettune.io/trial-s"  # a simulated node whose every trial takes this many seconds
 
+NODE_LOST = "node lost"  # the failure reason of a trial whose node left the cluster
+
 _simulated_nodes: dict = {}  # per node id: its simulated Mac (keeps heat between trials)
 
 
@@ -95,7 +97,14 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     sim = simulated_node(node_id, labels)
     if spec.cooldown_s > 0 and not sim:
         time.sleep(spec.cooldown_s)  # let the machine cool between trials; not synchronisation
-    result = sim.measure(spec) if sim else bench.measure(spec)
+    if sim:
+        result = sim.measure(spec)
+    else:
+        # This worker's parent is its node's raylet. A busy worker can outlive a SIGKILLed raylet
+        # (Ray 2.60 on Linux: still measuring 50 s later), measuring for a node the cluster has
+        # written off: stop as soon as the parent is gone.
+        raylet = os.getppid()
+        result = bench.measure(spec, stop_when=lambda: None if os.getppid() == raylet else NODE_LOST)
     result.node_id = node_id
     result.hostname = labels.get(HOSTNAME_LABEL) or socket.gethostname()
     return result
@@ -103,41 +112,98 @@ def run_trial(spec: TrialSpec) -> TrialResult:
 
 # ---------------------------------------------------------------- model push (head -> node)
 
+PART_SUFFIX = ".fleettune-push"  # a pushed model's temp file: ".NAME.<random>.fleettune-push"
+REFUSED = "refused: a different file is there (use --force)"
+
 
 def model_status(path: str, sha256: str) -> str:
     """"present" when this node has the file with that sha256, else "missing" or "different"."""
-    from pathlib import Path
+    from workers import digests
 
-    from workers.models import sha256_file
-
-    file = Path(path)
-    if not file.is_file():
+    if not os.path.isfile(path):
         return "missing"
-    return "present" if sha256_file(file) == sha256 else "different"
+    return "present" if digests.sha256_cached(path) == sha256 else "different"
 
 
-def write_model_chunk(path: str, offset: int, data: bytes) -> int:
-    """Write one chunk of a pushed model into ``path``.part (created on the first chunk)."""
+def begin_model(path: str) -> str:
+    """Start a push to ``path``: a fresh temp file beside it (same filesystem, so the final rename
+    is atomic), after removing the temp files of earlier pushes to it that died midway."""
+    import glob
+    import tempfile
     from pathlib import Path
 
-    part = Path(path + ".part")
-    part.parent.mkdir(parents=True, exist_ok=True)
-    with open(part, "r+b" if offset else "wb") as handle:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*{PART_SUFFIX}"):
+        stale.unlink(missing_ok=True)
+    fd, part = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PART_SUFFIX, dir=target.parent)
+    os.close(fd)
+    return part
+
+
+def _check_part(part: str) -> None:
+    if not part.endswith(PART_SUFFIX):
+        raise ValueError(f"not a pushed model's temp file: {part}")
+
+
+def write_model_chunk(part: str, offset: int, data: bytes) -> int:
+    """Write one chunk of a pushed model into its temp file (from ``begin_model``)."""
+    _check_part(part)
+    with open(part, "r+b") as handle:
         handle.seek(offset)
         handle.write(data)
     return len(data)
 
 
-def finish_model(path: str, sha256: str) -> bool:
-    """Check the pushed file's sha256 and move it into place atomically; a bad copy is deleted."""
+def finish_model(path: str, part: str, sha256: str, force: bool = False) -> str:
+    """Verify the pushed copy and rename it over ``path``; the temp file is gone afterwards.
+
+    Returns "copied", "replaced" (a different file was there and ``force`` was given), "present"
+    (the same file arrived meanwhile), ``REFUSED`` or "failed: sha256 mismatch".
+    """
+    from workers import digests
     from workers.models import sha256_file
 
-    part = path + ".part"
-    if sha256_file(part) != sha256:
+    _check_part(part)
+    try:
+        if sha256_file(part) != sha256:
+            return "failed: sha256 mismatch"
+        status = model_status(path, sha256)
+        if status == "present":
+            return "present"
+        if status == "different" and not force:
+            return REFUSED
+        with open(part, "rb") as handle:
+            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
+        os.replace(part, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        digests.remember(path, sha256)
+        return "replaced" if status == "different" else "copied"
+    finally:
+        discard_model_part(part)
+
+
+def discard_model_part(part: str) -> bool:
+    """Remove a pushed model's temp file (a push that failed midway); True if one was there."""
+    _check_part(part)
+    try:
         os.unlink(part)
+    except FileNotFoundError:
         return False
-    os.replace(part, path)
     return True
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot sync a directory; the rename itself is still atomic
+    finally:
+        os.close(fd)
 
 
 def apply_config(node_id: str, payload: dict | None) -> dict | None:

@@ -13,17 +13,21 @@ sampling, no EOS, no logits beyond the last token of a batch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import platform
 import random
+import re
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from workers.models import ModelInfo
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, TrialSpec, Workload
 
 MAX_BATCH = 1 << 16
+MODEL_CHANGED = "model changed"  # the failure reason when the file is not the spec's model
 
 
 def validate_params(params: BenchParams, fp: Fingerprint, model: ModelInfo | None) -> None:
@@ -294,13 +299,75 @@ def _spec_from_json(text: str) -> TrialSpec:
     )
 
 
-def _child_main(spec_path: str, result_path: str) -> int:
-    spec = _spec_from_json(Path(spec_path).read_text())
+def model_changed(spec: TrialSpec) -> str | None:
+    """Why the file at the spec's path is not the spec's model (None: it is).
+
+    A study measures one model, known by its sha256; a file replaced under the same path would
+    otherwise be measured and stored as that model. The digest is cached per file (workers.digests).
+    """
+    from workers import digests
+
+    actual = digests.sha256_cached(spec.model_path)
+    if actual.lower() == spec.model_sha256.lower():
+        return None
+    return (f"{MODEL_CHANGED}: {spec.model_path} has sha256 {actual[:12]}, "
+            f"the study's model is {spec.model_sha256[:12]}")
+
+
+# ---------------------------------------------------------------- the child's link to its parent
+
+PARENT_GONE_EXIT = 75
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _watch_parent(pipe_fd: int) -> None:
+    """Exit at once when the process that started this measurement dies, however it dies.
+
+    The parent's SIGKILL, a killed Ray worker, raylet or driver run no clean-up of their own, and
+    this process sits in its own session (out of reach of the terminal's Ctrl-C), so it must notice
+    by itself: on Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); everywhere
+    (macOS has no such signal) a thread waits on a pipe whose only writer is the parent, which the
+    kernel closes when the parent dies (also when it died before this process got here).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the pipe below still covers it
+    threading.Thread(target=_exit_on_eof, args=(pipe_fd,), daemon=True,
+                     name="fleettune-parent-watch").start()
+
+
+def _exit_on_eof(pipe_fd: int) -> None:
+    while True:
+        try:
+            data = os.read(pipe_fd, 64)
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(PARENT_GONE_EXIT)  # now, even in the middle of a llama.cpp call
+
+
+def child_main(argv: list[str]) -> int:
+    """The measuring process: ``SPEC RESULT [--parent-pipe FD] [--trial KEY]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="workers.bench")
+    parser.add_argument("spec_path")
+    parser.add_argument("result_path")
+    parser.add_argument("--parent-pipe", type=int)
+    parser.add_argument("--trial", default="")  # only a label, so `ps` shows which trial this is
+    args = parser.parse_args(argv)
+    if args.parent_pipe is not None:
+        _watch_parent(args.parent_pipe)
+    spec = _spec_from_json(Path(args.spec_path).read_text())
     try:
-        result = _run_child(spec)
+        reason = model_changed(spec)
+        result = TrialResult.failure(spec.trial_key, reason) if reason else _run_child(spec)
     except Exception as exc:  # reported to the parent as the trial's reason
         result = TrialResult.failure(spec.trial_key, str(exc))
-    Path(result_path).write_text(json.dumps(result.to_dict()))
+    Path(args.result_path).write_text(json.dumps(result.to_dict()))
     return 0
 
 
@@ -317,8 +384,92 @@ def _describe_exit(returncode: int, stderr: str) -> tuple[str, FailureKind]:
     return f"measuring process exited with {returncode}" + (f": {tail[-1]}" if tail else ""), FailureKind.CRASH
 
 
-def measure(spec: TrialSpec) -> TrialResult:
-    """Run one trial in a fresh subprocess; any failure comes back as ``ok=False`` with a reason."""
+# Run isolated (-I: no working directory, PYTHONPATH or user site on sys.path, so a local
+# `workers/` folder cannot stand in for the package), with the parent's own package put first.
+CHILD_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+              "from workers.bench import child_main; sys.exit(child_main(sys.argv[2:]))")
+
+
+def child_argv(spec_path: Path, result_path: Path, pipe_fd: int, trial_key: str) -> list[str]:
+    """The measuring process's command line (its cmdline names workers.bench and the trial)."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    label = re.sub(r"[^A-Za-z0-9._:-]", "_", trial_key)[:64]
+    return [sys.executable, "-I", "-c", CHILD_BOOT, package_root, str(spec_path), str(result_path),
+            f"--parent-pipe={pipe_fd}", f"--trial={label}"]
+
+
+def _signal_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the measuring process's group, unless it has already been reaped (its id reused)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def _killed_on_sigterm(proc: subprocess.Popen) -> Iterator[None]:
+    """While measuring in the main thread: a SIGTERM kills the measurement first, then does what
+    it did before (the default: terminate; a handler of the program's: run it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        _signal_group(proc)  # no wait() here: the interrupted code may hold Popen's wait lock
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+STOP_POLL_S = 0.5  # how often a running measurement asks whether it should stop
+
+
+class Abandoned(Exception):
+    """The measurement is no longer wanted (``stop_when`` gave this reason)."""
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, stop_when: Callable[[], str | None] | None) -> int:
+    """The measuring process's exit status; TimeoutExpired past ``timeout_s``, Abandoned as soon as
+    ``stop_when()`` gives a reason."""
+    if stop_when is None:
+        return proc.wait(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        try:
+            return proc.wait(timeout=min(left, STOP_POLL_S))
+        except subprocess.TimeoutExpired:
+            reason = stop_when()
+            if reason:
+                raise Abandoned(reason) from None
+
+
+def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) -> TrialResult:
+    """Run one trial in a fresh subprocess; any failure comes back as ``ok=False`` with a reason.
+
+    The subprocess never outlives this call: it is killed (with its process group) on a timeout,
+    when ``stop_when()`` gives a reason (a Ray worker whose raylet died), on an exception, Ctrl-C
+    or SIGTERM here, and it exits by itself when this process dies.
+    """
     if not Path(spec.model_path).is_file():
         return TrialResult.failure(
             spec.trial_key, f"model not on node ({spec.model_path}); run `fleettune model push`",
@@ -327,19 +478,34 @@ def measure(spec: TrialSpec) -> TrialResult:
     with tempfile.TemporaryDirectory(prefix="fleettune-trial-") as tmp:
         spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec_path.write_text(json.dumps({**asdict(spec)}))
-        argv = [sys.executable, "-m", "workers.bench", str(spec_path), str(result_path)]
         started = time.time()
         with tempfile.TemporaryFile(mode="w+") as err:
-            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            read_end, write_end = os.pipe()  # the child's lifeline: closed when this process dies
             try:
-                returncode = proc.wait(timeout=spec.timeout_s)
+                proc = subprocess.Popen(
+                    child_argv(spec_path, result_path, read_end, spec.trial_key),
+                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                    pass_fds=(read_end,),
+                )
+            except BaseException:
+                os.close(write_end)
+                raise
+            finally:
+                os.close(read_end)
+            try:
+                with _killed_on_sigterm(proc):
+                    returncode = _wait(proc, spec.timeout_s, stop_when)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 return TrialResult.failure(
                     spec.trial_key, f"timed out after {spec.timeout_s:g}s", FailureKind.TIMEOUT,
                     started_at=started, finished_at=time.time(),
                 )
+            except Abandoned as stopped:
+                return TrialResult.failure(spec.trial_key, str(stopped), started_at=started,
+                                           finished_at=time.time())
+            finally:
+                _kill_group(proc)
+                os.close(write_end)
             err.seek(0)
             stderr = err.read()
         if returncode != 0 or not result_path.is_file():
@@ -350,7 +516,7 @@ def measure(spec: TrialSpec) -> TrialResult:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+    sys.exit(child_main(sys.argv[1:]))
 
 
 def bench_local(
