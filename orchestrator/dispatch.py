@@ -55,11 +55,12 @@ def _check_reachable(address: str) -> None:
 
 def _use_token() -> None:
     """Present the fleet's token: $FLEETTUNE_RAY_TOKEN, or the one `head start` saved here."""
-    from orchestrator.fleet import saved_token
+    from orchestrator.fleet import token_path
+    from workers import fleet_token
 
-    token = os.environ.get("FLEETTUNE_RAY_TOKEN")
-    if not token and not os.environ.get("RAY_AUTH_TOKEN"):
-        token = saved_token()
+    if os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get(fleet_token.TOKEN_ENV):
+        return  # Ray's own setting, made by the caller
+    token = fleet_token.resolve(None, token_path())
     if not token:
         return
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
