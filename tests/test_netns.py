@@ -35,13 +35,16 @@ REPO = Path(__file__).resolve().parents[1]
 SIM_CHIP = "M2 Ultra/76"
 SIM_KEY = "apple-m2-ultra-76g"
 SIM_MODEL = "sim://llama2-7b/q4_0"
+SIM_TIME_SCALE = "0.3"  # a simulated trial takes about 0.5-3 s: long enough to be caught mid-way
 PORT = 6379
 ADDRESS = f"{HEAD_ADDR}:{PORT}"
 # The head's GCS declares a silent node dead after ~2 s (Ray's default: 3 s period x 5 failures,
-# after a 5 s grace); a worker's raylet gives up on a silent head after 10 s (Ray's default: 60 s).
+# after a 5 s grace). A worker's raylet notices a silent head by gRPC keepalive (2 s, Ray's default
+# 5 min) and gives up on it 10 s later (Ray's default: 60 s).
 HEAD_RAY_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
                 "RAY_health_check_failure_threshold": "4", "RAY_health_check_initial_delay_ms": "0"}
-WORKER_RAY_ENV = {"RAY_gcs_rpc_server_reconnect_timeout_s": "10"}
+WORKER_RAY_ENV = {"RAY_gcs_rpc_server_reconnect_timeout_s": "10", "RAY_grpc_client_keepalive_time_ms": "2000",
+                  "RAY_grpc_client_keepalive_timeout_ms": "2000"}
 # Ray 2.x binds its C++ gRPC servers (GCS, raylet node manager and object manager, and the one in
 # every worker and driver process) to 0.0.0.0 unless the node address is loopback
 # (src/ray/rpc/grpc_server.cc: listen_to_localhost_only ? 127.0.0.1 : 0.0.0.0); docs/security.md.
@@ -51,10 +54,17 @@ TUNE = ["--prompt-tokens", "64", "--gen-tokens", "16", "-r", "1", "--quiet", "--
 
 
 def fleettune(host, *args, env=None, timeout=240):
+    if env is None and host.name == "head":  # the head's own commands find its token file by env
+        env = head_env(host)
     done = host.run(FLEETTUNE, *map(str, args), env=env, timeout=timeout)
     assert done.returncode == 0, f"fleettune {' '.join(map(str, args))} on {host.name}: " \
         f"{(done.stderr or done.stdout)[-3000:]}"
     return done.stdout
+
+
+def head_env(head) -> dict:
+    """The environment of a command run on the head's host: its token file named by env."""
+    return head.env(FLEETTUNE_RAY_TOKEN_FILE=str(head.root / "secret" / "ray_token"))
 
 
 def ray_processes(host) -> dict[int, str]:
@@ -69,8 +79,10 @@ def ray_processes(host) -> dict[int, str]:
 
 
 def measuring(host) -> list[str]:
-    """Processes of ``host`` that are measuring a trial right now (Ray titles them by task)."""
-    return [cmd for cmd in ray_processes(host).values() if "run_trial" in cmd or "workers.bench" in cmd]
+    """Processes of ``host`` that are measuring a trial right now: a Ray worker titled with the
+    trial's task name (dispatch names it "fleettune-trial KEY"), or llama.cpp's measuring child."""
+    return [cmd for cmd in ray_processes(host).values()
+            if "fleettune-trial" in cmd or "run_trial" in cmd or "workers.bench" in cmd]
 
 
 def join(host, token_file: Path, *extra, env_token: str | None = None):
@@ -131,7 +143,7 @@ def fleet(lan, model_path):
     w1, w2, w3 = lan.workers
     join(w1, token_file, env_token=token)
     for w in (w2, w3):
-        join(w, give_token(w, token_file), "--simulate", SIM_CHIP, "--time-scale", "1")
+        join(w, give_token(w, token_file), "--simulate", SIM_CHIP, "--time-scale", SIM_TIME_SCALE)
     return {"head_output": out, "token_file": token_file, "token": token, "join_line": argv}
 
 
@@ -256,11 +268,11 @@ def test_tune_all_chips_across_hosts(fleet, lan, model_path):
     """A real `tune --all-chips` from the head's host: the real node measures with llama.cpp, the
     simulated Macs with the model; every study completes."""
     db = lan.head.root / "all.db"
-    out = fleettune(lan.head, "tune", model_path, "--all-chips", "--trials", "3", "--json",
-                    "--db", f"sqlite:///{db}", *TUNE, "--prompt-tokens", "16", "--gen-tokens", "4",
-                    timeout=600)
-    assert out
-    rows = trials(db)
+    done = lan.head.run(FLEETTUNE, "tune", str(model_path), "--all-chips", "--trials", "3",
+                        "--db", f"sqlite:///{db}", *TUNE, "--prompt-tokens", "16", "--gen-tokens", "4",
+                        env=head_env(lan.head), timeout=600)
+    rows = trials(db) if db.exists() else []
+    assert done.returncode == 0, f"{done.stderr[-2000:]}\n{rows}"
     hosts = {h for h, state, _, _ in rows if state == "complete"}
     assert "w1" in hosts and hosts & {"w2", "w3"}, rows  # the real node and the simulated Macs measured
     assert all(state == "complete" for _, state, _, _ in rows), rows
@@ -273,7 +285,8 @@ def test_a_worker_cut_off_mid_trial_is_measured_elsewhere_then_rejoins(fleet, la
     head, w3 = lan.head, lan.hosts["w3"]
     db = head.root / "part.db"
     study = ["tune", SIM_MODEL, "--chip", SIM_KEY, "--db", f"sqlite:///{db}", "--study", "part", *TUNE]
-    driver = head.spawn(FLEETTUNE, *study, "--trials", "8", "--seed", "1", log=head.root / "part.log")
+    driver = head.spawn(FLEETTUNE, *study, "--trials", "8", "--seed", "1", log=head.root / "part.log",
+                        env=head_env(head))
     try:
         wait_for(lambda: measuring(w3), 120, "a trial running on w3")
         w3.link(False)  # the cable pulled, mid-trial
@@ -291,31 +304,39 @@ def test_a_worker_cut_off_mid_trial_is_measured_elsewhere_then_rejoins(fleet, la
     # plugged back: the cut-off raylet learns it was declared dead and exits; a restart rejoins
     wait_for(lambda: not any("raylet" in c for c in ray_processes(w3).values()), 90, "w3's old raylet exiting")
     w3.kill_all()  # what is left of its old session (its service manager would restart it)
-    join(w3, w3.root / "ray_token", "--simulate", SIM_CHIP, "--time-scale", "1")
-    fleettune(head, *study[:-len(TUNE) - 2], "--study", "after", *TUNE, "--trials", "6", "--seed", "2")
+    join(w3, w3.root / "ray_token", "--simulate", SIM_CHIP, "--time-scale", SIM_TIME_SCALE)
+    fleettune(head, *study[:-len(TUNE) - 2], "--study", "after", *TUNE, "--trials", "4", "--seed", "2")
     hosts = {h for h, state, _, _ in trials(db, "after") if state == "complete"}
     assert hosts == {"w2", "w3"}
 
 
 def test_the_heads_host_lost_then_a_new_head_resumes(fleet, lan):
+    """The head's host vanishes mid-study (off the LAN, then every process killed, as a power
+    loss): every worker's raylet gives up and nothing keeps measuring; a new head on that host
+    resumes the study from the same results DB once the workers rejoin it."""
     head, sims = lan.head, [lan.hosts["w2"], lan.hosts["w3"]]
     db = head.root / "lost.db"
     study = ["tune", SIM_MODEL, "--chip", SIM_KEY, "--db", f"sqlite:///{db}", "--study", "lost", *TUNE,
              "--trials", "8", "--seed", "3"]
-    driver = head.spawn(FLEETTUNE, *study, log=head.root / "lost.log")
+    driver = head.spawn(FLEETTUNE, *study, log=head.root / "lost.log", env=head_env(head))
     try:
         wait_for(lambda: any(measuring(w) for w in sims), 120, "a trial running on a simulated Mac")
-        head.link(False)  # the head's host is gone: off the LAN, every process killed at once
+        head.link(False)
         head.kill_all(signal.SIGKILL)
         driver.wait(timeout=30)
-        for w in (*sims, lan.hosts["w1"]):  # workers notice and stop: nothing measures, nothing stays
-            wait_for(lambda w=w: not ray_processes(w), 90, f"{w.name}'s Ray processes exiting")
+        for w in lan.workers:  # every worker notices: its raylet exits, nothing measures
+            wait_for(lambda w=w: not any("raylet" in c for c in ray_processes(w).values()), 90,
+                     f"{w.name}'s raylet giving up on the lost head")
+            wait_for(lambda w=w: not measuring(w), 30, f"{w.name}'s measurements stopping")
     finally:
         head.link(True)
+    for w in lan.workers:
+        w.kill_all()  # Ray's agents outlive their raylet (docs/security.md); a service restart would
     # a new head on the same host and results DB; the workers join it with its new token
     _, token_file = start_head(lan)
     for w in sims:
-        join(w, give_token(w, token_file), "--simulate", SIM_CHIP, "--time-scale", "1")
+        join(w, give_token(w, token_file), "--simulate", SIM_CHIP, "--time-scale", SIM_TIME_SCALE)
     fleettune(head, *study, "--resume", timeout=400)
-    states = [state for _, state, _, _ in trials(db, "lost")]
-    assert states.count("complete") == 8 and "running" not in states, states
+    rows = trials(db, "lost")
+    states = [state for _, state, _, _ in rows]
+    assert states.count("complete") == 8 and "running" not in states, rows  # none lost, none extra

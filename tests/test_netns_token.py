@@ -54,6 +54,9 @@ def test_the_token_comes_from_the_named_file_then_the_environment_then_the_data_
     assert fleet_token.resolve(named, default) == "from-file"
     assert fleet_token.resolve(None, default) == "from-env"
     monkeypatch.delenv(fleet_token.TOKEN_ENV)
+    monkeypatch.setenv(fleet_token.TOKEN_FILE_ENV, str(named))
+    assert fleet_token.resolve(None, default) == "from-file"
+    monkeypatch.delenv(fleet_token.TOKEN_FILE_ENV)
     assert fleet_token.resolve(None, default) == "from-data-dir"
     assert fleet_token.resolve(None, tmp_path / "absent") is None
     with pytest.raises(BadInput):

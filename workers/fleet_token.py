@@ -17,6 +17,7 @@ from pathlib import Path
 from workers.errors import BadInput
 
 TOKEN_ENV = "FLEETTUNE_RAY_TOKEN"
+TOKEN_FILE_ENV = "FLEETTUNE_RAY_TOKEN_FILE"
 TOKEN_BYTES = 32
 
 
@@ -59,13 +60,16 @@ def write_token_file(path: Path, token: str) -> None:
 
 
 def resolve(token_file: Path | None, default_file: Path | None) -> str | None:
-    """The token to present: ``token_file`` if named, else $FLEETTUNE_RAY_TOKEN, else the default
-    file when it exists (a worker on the head's own machine); None when there is none."""
+    """The token to present: ``token_file`` if named, else $FLEETTUNE_RAY_TOKEN, else the file
+    named by $FLEETTUNE_RAY_TOKEN_FILE, else the default file when it exists (a worker on the
+    head's own machine); None when there is none."""
     if token_file is not None:
         return read_token_file(token_file)
     env = os.environ.get(TOKEN_ENV, "").strip()
     if env:
         return env
+    if os.environ.get(TOKEN_FILE_ENV):
+        return read_token_file(Path(os.environ[TOKEN_FILE_ENV]))
     if default_file is not None and Path(default_file).is_file():
         return read_token_file(default_file)
     return None
