@@ -100,9 +100,12 @@ def run_ray(args: list[str], token: str | None, timeout: float = 120) -> str:
         raise FleettuneError(f"`ray {args[0]}` did not finish in {timeout:g}s") from None
     if done.returncode != 0:
         text = (done.stderr + done.stdout).strip().splitlines()
-        telling = ("mismatch", "already in use", "failed to start", "error:")
+        telling = ("mismatch", "already in use", "failed to start", "error:", "exception:")
         reason = next((line for word in telling for line in text if word in line.lower()), None)
-        reason = reason or next((line for line in reversed(text) if line.strip()), "no output")
+        last = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        reason = reason or (last[-1] if last else "no output")
+        if "dashboard with missing packages" in reason:
+            reason += " (pip install 'ray[default]' for --dashboard)"
         raise FleettuneError(f"`ray {args[0]}` failed: {reason.strip()}")
     return done.stdout
 
