@@ -38,11 +38,11 @@ SIM_MODEL = "sim://llama2-7b/q4_0"
 SIM_TIME_SCALE = "0.3"  # a simulated trial takes about 0.5-3 s: long enough to be caught mid-way
 PORT = 6379
 ADDRESS = f"{HEAD_ADDR}:{PORT}"
-# The head's GCS declares a silent node dead after ~2 s (Ray's default: 3 s period x 5 failures,
-# after a 5 s grace). A worker's raylet notices a silent head by gRPC keepalive (2 s, Ray's default
+# The head's GCS declares a silent node dead after ~8-13 s (Ray's default: 3 s period, 10 s
+# timeout, 5 failures); tighter timeouts (1 s) declared busy raylets dead on a loaded 2-core machine. A worker's raylet notices a silent head by gRPC keepalive (2 s, Ray's default
 # 5 min) and gives up on it 10 s later (Ray's default: 60 s).
-HEAD_RAY_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-                "RAY_health_check_failure_threshold": "4", "RAY_health_check_initial_delay_ms": "0"}
+HEAD_RAY_ENV = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "5000",
+                "RAY_health_check_failure_threshold": "4"}
 WORKER_RAY_ENV = {"RAY_gcs_rpc_server_reconnect_timeout_s": "10", "RAY_grpc_client_keepalive_time_ms": "2000",
                   "RAY_grpc_client_keepalive_timeout_ms": "2000"}
 # Ray 2.x binds its C++ gRPC servers (GCS, raylet node manager and object manager, and the one in

@@ -120,6 +120,8 @@ def worker_start(address: str, token: str | None, plan: JoinPlan, num_cpus: int 
     ]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
+    if os.environ.get("RAY_TMPDIR"):  # this node's own temp dir, not the head's path (Ray's default)
+        args += ["--temp-dir", os.path.join(os.environ["RAY_TMPDIR"], "ray")]
     host = address.rpartition(":")[0]
     if host in ("127.0.0.1", "localhost"):  # a head on loopback: this node is on the same machine
         args += ["--node-ip-address", "127.0.0.1"]
