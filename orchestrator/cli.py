@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -827,17 +828,34 @@ def head() -> None:
 @click.option("--port", default=6379, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address Ray binds to (loopback by default; name the LAN address for a fleet).")
-@click.option("--dashboard", is_flag=True, help="Start Ray's dashboard too.")
+@click.option("--dashboard", is_flag=True, help="Start Ray's dashboard too (bound to --host).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to keep the token (mode 0600; default: the data dir). The token is "
+                   "$FLEETTUNE_RAY_TOKEN when set, else a new one.")
 @db_option
-def head_start(port: int, host: str, dashboard: bool, db_url: str | None) -> None:
-    """Start the Ray head with a new token; prints what workers need to join."""
+def head_start(port: int, host: str, dashboard: bool, token_file: Path | None, db_url: str | None) -> None:
+    """Start the Ray head with token authentication; prints what workers need to join."""
     from orchestrator import fleet
 
     db = _open_db(db_url)
-    address, token = fleet.head_start(port, host, dashboard)
-    click.echo(f"head: {address}  (results: {db.display_url})")
-    click.echo(f"token saved in {fleet.token_path()} (mode 0600)")
-    click.echo(f"on every Mac: fleettune worker start --address {address} --token {token}")
+    started = fleet.head_start(port, host, dashboard, token_file)
+    click.echo(f"head: {started.address}  (results: {db.display_url})")
+    click.echo(f"token saved in {started.token_file} (mode 0600; `fleettune head token` prints it)")
+    click.echo("copy that file to every Mac (mode 0600), or set FLEETTUNE_RAY_TOKEN there, then run:")
+    click.echo(f"  {started.join_line()}")
+
+
+@head.command("token")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The head's token file (default: the data dir).")
+def head_token(token_file: Path | None) -> None:
+    """Print the fleet's token (whoever holds it can run code on every node)."""
+    from orchestrator import fleet
+
+    token = fleet.saved_token(token_file)
+    if token is None:
+        raise BadInput(f"no token at {token_file or fleet.token_path()}: start the head first")
+    click.echo(token)
 
 
 @main.group()
@@ -847,20 +865,29 @@ def worker() -> None:
 
 @worker.command("start")
 @click.option("--address", required=True, help="The head, HOST:PORT.")
-@click.option("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File holding the head's token (else $FLEETTUNE_RAY_TOKEN, else this machine's "
+                   "data dir).")
+@click.option("--token", "token_value", hidden=True, help="Refused: it would show the token in ps.")
 @click.option("--simulate", "simulate", metavar="CHIP",
               help='Join as a simulated Mac, e.g. "M2 Ultra/76" or "M2 Ultra/76/192".')
 @click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
               show_default=True, help="Simulated nodes only.")
 @click.option("--time-scale", default=0.0, show_default=True,
               help="Simulated nodes: real seconds slept per simulated second.")
+@click.option("--name", help="Name shown for this node instead of its hostname.")
 @output_options()
-def worker_start(address, token, simulate, scenario, time_scale, fmt) -> None:
+def worker_start(address, token_file, token_value, simulate, scenario, time_scale, name, fmt) -> None:
     """Fingerprint this node and join the head's Ray cluster with one bench slot."""
+    from orchestrator import fleet
     from orchestrator.dispatch import _check_reachable
-    from workers import join
+    from workers import fleet_token, join
 
-    plan = join.plan_join(simulate, scenario, time_scale)
+    if token_value is not None:
+        raise BadInput("--token puts the fleet's token on the command line, visible in ps: "
+                       "use --token-file PATH or the FLEETTUNE_RAY_TOKEN environment variable")
+    token = fleet_token.resolve(token_file, fleet.token_path())
+    plan = join.plan_join(simulate, scenario, time_scale, name=name)
     _check_reachable(address)
     join.worker_start(address, token, plan)
     click.echo(render_record({"joined": address, **plan.labels, "simulated": plan.simulated}, fmt))
@@ -921,12 +948,12 @@ def fleet_simulate(mix, address, port, scenario, time_scale, fmt) -> None:
     """Start a local cluster of simulated Macs (a head plus one Ray worker per node)."""
     from orchestrator import fleet
 
-    address, token, nodes = fleet.simulate(mix, address, port, scenario, time_scale)
+    address, token_file, nodes = fleet.simulate(mix, address, port, scenario, time_scale)
     click.echo(render(nodes, [Column("chip", "chip"), Column("count", "nodes", justify="right")], fmt))
     click.echo(f"cluster: {address}; tune with: fleettune tune sim://llama3-8b/q4_k_m --all-chips "
                f"--address {address}", err=True)
-    if token:
-        click.echo(f"token: {fleet.token_path()}", err=True)
+    if token_file:
+        click.echo(f"token: {token_file}", err=True)
 
 
 # ---------------------------------------------------------------- sim

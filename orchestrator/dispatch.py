@@ -118,12 +118,15 @@ def _check_reachable(address: str) -> None:
 
 
 def _use_token() -> None:
-    """Present the fleet's token: $FLEETTUNE_RAY_TOKEN, or the one `head start` saved here."""
-    from orchestrator.fleet import saved_token
+    """Present the fleet's token: $FLEETTUNE_RAY_TOKEN, the file $FLEETTUNE_RAY_TOKEN_FILE names,
+    or the one `head start` saved here."""
+    from orchestrator.fleet import token_path
+    from workers import fleet_token
 
-    token = os.environ.get("FLEETTUNE_RAY_TOKEN")
-    if not token and not os.environ.get("RAY_AUTH_TOKEN"):
-        token = saved_token()
+    ours = (fleet_token.TOKEN_ENV, fleet_token.TOKEN_FILE_ENV)
+    if os.environ.get("RAY_AUTH_TOKEN") and not any(os.environ.get(k) for k in ours):
+        return  # Ray's own setting, made by the caller
+    token = fleet_token.resolve(None, token_path())
     if not token:
         return
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
@@ -152,7 +155,7 @@ def connect(address: str | None, *, local_chip_key: str | None = None) -> bool:
         try:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            hint = "" if os.environ.get("RAY_AUTH_TOKEN") else " (no token: set FLEETTUNE_RAY_TOKEN)"
+            hint = "" if os.environ.get("RAY_AUTH_TOKEN") else " (no token: set FLEETTUNE_RAY_TOKEN_FILE or FLEETTUNE_RAY_TOKEN)"
             raise BadInput(f"cannot join the Ray cluster at {address}: {exc}{hint}") from None
         return True
     labels = {CHIP_LABEL: local_chip_key} if local_chip_key else {}

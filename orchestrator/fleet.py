@@ -1,19 +1,20 @@
 """The fleet as the head sees it: start the head, list nodes, flag slow ones, simulate a fleet.
 
-The head runs Ray with token authentication. `head start` generates the token and keeps it in
-the data dir (mode 0600); every worker and client must present it.
+The head runs Ray with token authentication. `head start` generates the token (or takes
+$FLEETTUNE_RAY_TOKEN) and keeps it in a 0600 file once the head is up; every worker and client
+must present it (workers/fleet_token.py).
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.db import Database, repo
 from orchestrator.db.session import data_dir
+from workers import fleet_token
 from workers.agent import HOSTNAME_LABEL, SIMULATE_LABEL
 from workers.errors import BadInput
 from workers.join import BENCH_RESOURCE, CHIP_LABEL, run_ray
@@ -22,41 +23,69 @@ SLOW_NODE_THRESHOLD = 0.10  # a node this much slower than its peers' median is 
 
 
 def token_path() -> Path:
+    """Where `head start` keeps the fleet's token unless told otherwise (mode 0600)."""
     return data_dir() / "ray_token"
 
 
-def new_token() -> str:
-    """A fresh cluster token, saved for this head (readable by its owner only)."""
-    token = secrets.token_hex(32)
-    path = token_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token)
-    return token
+def saved_token(path: Path | None = None) -> str | None:
+    """The token kept at ``path`` (default: this machine's data dir), or None if there is none."""
+    path = Path(path) if path else token_path()
+    return fleet_token.read_token_file(path) if path.is_file() else None
 
 
-def saved_token() -> str | None:
-    path = token_path()
-    return path.read_text().strip() if path.is_file() else None
+@dataclass(frozen=True)
+class HeadStarted:
+    """A running head: the address workers join and the file that holds its token."""
+
+    address: str
+    token_file: Path
+
+    def join_line(self) -> str:
+        """What to run on every Mac, the token handed over as a file (never on the command line)."""
+        return f"fleettune worker start --address {self.address} --token-file {self.token_file}"
 
 
-def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = False) -> tuple[str, str]:
-    """Start the Ray head bound to ``host`` (loopback by default) with a new token."""
+def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = False,
+               token_file: Path | None = None) -> HeadStarted:
+    """Start the Ray head bound to ``host`` (loopback by default) with token authentication.
+
+    The token is $FLEETTUNE_RAY_TOKEN when set, else a fresh one. It is written to ``token_file``
+    only once Ray is up: a head that fails to start leaves the previous token (and the workers
+    that hold it) as they were.
+    """
     if not 1 <= port <= 65535:
         raise BadInput(f"port {port}: must be 1..65535")
+    _check_bindable(host)
     if _listening(host, port):
         raise BadInput(f"{host}:{port} is already in use (another Ray head, or Redis?); pass --port")
-    token = new_token()
-    run_ray(
-        [
-            "start", "--head", "--port", str(port), "--node-ip-address", host,
-            "--include-dashboard", "true" if dashboard else "false",
-            "--resources", f'{{"{BENCH_RESOURCE}": 0}}', "--disable-usage-stats",
-        ],
-        token,
-    )
-    return f"{host}:{port}", token
+    path = Path(token_file) if token_file else token_path()
+    token = os.environ.get(fleet_token.TOKEN_ENV, "").strip() or fleet_token.generate()
+    args = [
+        "start", "--head", "--port", str(port), "--node-ip-address", host,
+        "--include-dashboard", "true" if dashboard else "false",
+        "--resources", f'{{"{BENCH_RESOURCE}": 0}}', "--disable-usage-stats",
+    ]
+    if dashboard:
+        args += ["--dashboard-host", host]
+    run_ray(args, token)
+    fleet_token.write_token_file(path, token)
+    return HeadStarted(f"{host}:{port}", path)
+
+
+def _check_bindable(host: str) -> None:
+    """``host`` must be an address of this machine: Ray would otherwise fail late, or bind elsewhere."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise BadInput(f"--host {host!r}: name an IP address of this machine, e.g. 127.0.0.1") from None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+    except OSError as exc:
+        raise BadInput(f"--host {host}: not an address of this machine ({exc.strerror or exc})") from None
 
 
 def _listening(host: str, port: int) -> bool:
@@ -182,13 +211,13 @@ def simulate(mix: str, address: str | None, port: int, scenario: str, time_scale
     from workers import join
 
     entries = parse_mix(mix)
-    token = None
+    token_file = None
     if address is None:
-        address, token = head_start(port)
-    else:
-        token = saved_token()
+        started = head_start(port)
+        address, token_file = started.address, started.token_file
+    token = fleet_token.resolve(None, token_path())
     for chip, count in entries:
         plan = join.plan_join(chip, scenario, time_scale)
         for _ in range(count):
             join.worker_start(address, token, plan, num_cpus=0)
-    return address, token, [{"chip": chip, "count": count} for chip, count in entries]
+    return address, token_file, [{"chip": chip, "count": count} for chip, count in entries]

@@ -10,12 +10,19 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from workers.agent import SCENARIO_LABEL, SIMULATE_LABEL, SPEED_LABEL, TIME_SCALE_LABEL
+from workers.agent import (
+    HOSTNAME_LABEL,
+    SCENARIO_LABEL,
+    SIMULATE_LABEL,
+    SPEED_LABEL,
+    TIME_SCALE_LABEL,
+)
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint, fingerprint_live
 
@@ -24,6 +31,7 @@ CHIP_LABEL = "fleettune.io/chip"
 GPU_CORES_LABEL = "fleettune.io/gpu-cores"
 MEMORY_LABEL = "fleettune.io/memory-gb"
 AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+NODE_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")  # a valid Ray label value
 
 
 @dataclass(frozen=True)
@@ -37,8 +45,13 @@ class JoinPlan:
 
 
 def plan_join(
-    simulate: str | None = None, scenario: str = "calibrated", time_scale: float = 0.0, speed: float = 1.0
+    simulate: str | None = None, scenario: str = "calibrated", time_scale: float = 0.0, speed: float = 1.0,
+    name: str | None = None,
 ) -> JoinPlan:
+    """What to ask Ray for; ``name`` is shown for this node instead of its OS hostname."""
+    if name is not None and not NODE_NAME.fullmatch(name):
+        raise BadInput(f"--name {name!r}: 1-63 letters, digits, '.', '-' or '_', starting and ending "
+                       "with a letter or digit")
     if simulate:
         from workers import simulated
 
@@ -51,6 +64,8 @@ def plan_join(
     if not fp.chip_key:
         raise BadInput("this machine's chip is unknown; it cannot be routed to")
     labels = {CHIP_LABEL: fp.chip_key, **extra}
+    if name:
+        labels[HOSTNAME_LABEL] = name
     if fp.gpu_cores:
         labels[GPU_CORES_LABEL] = str(fp.gpu_cores)
     if fp.memory_bytes:
@@ -84,9 +99,12 @@ def run_ray(args: list[str], token: str | None, timeout: float = 120) -> str:
         raise FleettuneError(f"`ray {args[0]}` did not finish in {timeout:g}s") from None
     if done.returncode != 0:
         text = (done.stderr + done.stdout).strip().splitlines()
-        telling = ("mismatch", "already in use", "failed to start", "error:")
+        telling = ("mismatch", "already in use", "failed to start", "error:", "exception:")
         reason = next((line for word in telling for line in text if word in line.lower()), None)
-        reason = reason or next((line for line in reversed(text) if line.strip()), "no output")
+        last = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        reason = reason or (last[-1] if last else "no output")
+        if "dashboard with missing packages" in reason:
+            reason += " (pip install 'ray[default]' for --dashboard)"
         raise FleettuneError(f"`ray {args[0]}` failed: {reason.strip()}")
     return done.stdout
 
@@ -101,6 +119,8 @@ def worker_start(address: str, token: str | None, plan: JoinPlan, num_cpus: int 
     ]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
+    if os.environ.get("RAY_TMPDIR"):  # this node's own temp dir, not the head's path (Ray's default)
+        args += ["--temp-dir", os.path.join(os.environ["RAY_TMPDIR"], "ray")]
     host = address.rpartition(":")[0]
     if host in ("127.0.0.1", "localhost"):  # a head on loopback: this node is on the same machine
         args += ["--node-ip-address", "127.0.0.1"]

@@ -1,0 +1,94 @@
+"""The fleet token's handling without a cluster: its file's mode, how it reaches `worker start`, and
+that it is printed only when asked for. (The namespaced tests in test_netns.py check the rest
+against a real head.)"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator import fleet
+from orchestrator.cli import main
+from workers import fleet_token
+from workers.errors import BadInput
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_worker_start_refuses_a_token_on_the_command_line():
+    result = CliRunner().invoke(main, ["worker", "start", "--address", "127.0.0.1:1",
+                                       "--token", "s3cret-value"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--token-file" in lines[0] and "FLEETTUNE_RAY_TOKEN" in lines[0]
+    assert "s3cret-value" not in result.output + result.stderr
+
+
+def test_a_token_file_readable_by_others_is_narrowed_before_use(tmp_path):
+    path = tmp_path / "ray_token"
+    path.write_text("abc123\n")
+    os.chmod(path, 0o644)
+    assert fleet_token.read_token_file(path) == "abc123"
+    assert mode(path) == 0o600
+
+
+def test_writing_the_token_replaces_a_wide_file_with_a_0600_one(tmp_path):
+    path = tmp_path / "ray_token"
+    path.write_text("old")
+    os.chmod(path, 0o666)
+    fleet_token.write_token_file(path, "new")
+    assert path.read_text() == "new" and mode(path) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["ray_token"]  # no temporary left behind
+
+
+def test_the_token_comes_from_the_named_file_then_the_environment_then_the_data_dir(tmp_path, monkeypatch):
+    named, default = tmp_path / "named", tmp_path / "default"
+    named.write_text("from-file")
+    default.write_text("from-data-dir")
+    monkeypatch.setenv(fleet_token.TOKEN_ENV, "from-env")
+    assert fleet_token.resolve(named, default) == "from-file"
+    assert fleet_token.resolve(None, default) == "from-env"
+    monkeypatch.delenv(fleet_token.TOKEN_ENV)
+    monkeypatch.setenv(fleet_token.TOKEN_FILE_ENV, str(named))
+    assert fleet_token.resolve(None, default) == "from-file"
+    monkeypatch.delenv(fleet_token.TOKEN_FILE_ENV)
+    assert fleet_token.resolve(None, default) == "from-data-dir"
+    assert fleet_token.resolve(None, tmp_path / "absent") is None
+    with pytest.raises(BadInput):
+        fleet_token.resolve(tmp_path / "absent", default)
+    (tmp_path / "two").write_text("two tokens")
+    with pytest.raises(BadInput):
+        fleet_token.read_token_file(tmp_path / "two")
+
+
+def test_head_token_prints_the_token_only_when_asked(tmp_path):
+    path = tmp_path / "ray_token"
+    missing = CliRunner().invoke(main, ["head", "token", "--token-file", str(path)])
+    assert missing.exit_code == 2 and missing.stderr.startswith("error: no token at")
+    fleet_token.write_token_file(path, "the-token")
+    shown = CliRunner().invoke(main, ["head", "token", "--token-file", str(path)])
+    assert shown.exit_code == 0 and shown.output.strip() == "the-token"
+    assert fleet.saved_token(path) == "the-token"
+
+
+@pytest.mark.parametrize("host", ["not-an-ip", "198.51.100.200"])
+def test_head_start_refuses_an_address_this_machine_does_not_have(host, tmp_path):
+    token = tmp_path / "ray_token"
+    result = CliRunner().invoke(main, ["head", "start", "--host", host, "--token-file", str(token),
+                                       "--db", f"sqlite:///{tmp_path / 'r.db'}"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --host")
+    assert not token.exists()
+
+
+def test_a_node_name_must_be_a_valid_label():
+    from workers.join import plan_join
+
+    assert plan_join("M2 Ultra/76", name="mac-mini.lab_3").labels["fleettune.io/hostname"] == "mac-mini.lab_3"
+    for bad in ("", "-x", "a b", "x" * 64, "=cmd()"):
+        with pytest.raises(BadInput):
+            plan_join("M2 Ultra/76", name=bad)
