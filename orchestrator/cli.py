@@ -561,11 +561,14 @@ ROLLOUT_NODE_COLUMNS = [
 @click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
 @click.option("--tolerance", default="5%", show_default=True,
               help="A canary slower than expected by more than this rolls everything back.")
+@click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds a node has to answer an apply before it counts as failed.")
 @click.option("--dry-run", is_flag=True, help="Show the plan; change nothing.")
 @click.option("--address", help="Ray cluster address (default: the local head).")
 @db_option
 @output_options()
-def rollout_start(model_ref, objective, chips, canary, tolerance, dry_run, address, db_url, fmt) -> None:
+def rollout_start(model_ref, objective, chips, canary, tolerance, apply_timeout, dry_run, address, db_url,
+                  fmt) -> None:
     """Roll the recommendation out (an unfinished rollout of the model is resumed)."""
     from orchestrator import dispatch
     from orchestrator import rollout as ro
@@ -578,7 +581,7 @@ def rollout_start(model_ref, objective, chips, canary, tolerance, dry_run, addre
     with dispatch.connected(address or "auto"):
         rollout_id = ro.start(db, info, objective=objective, chips=chips.split(",") if chips else None,
                               canary_share=_percent(canary), tolerance=_percent(tolerance),
-                              on_step=lambda text: click.echo(text, err=True))
+                              applier=ro.Applier(apply_timeout), on_step=lambda text: click.echo(text, err=True))
     rows = ro.status_rows(db, rollout_id)
     click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
                       title=f"rollout {rollout_id}: {rows[0]['rollout_state'] if rows else '?'}"))
@@ -599,24 +602,25 @@ def rollout_status(rollout_id, db_url, fmt) -> None:
 
 @rollout.command("rollback")
 @click.argument("rollout_id", type=int, required=False)
+@click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds a node has to answer; one that does not is restored later.")
 @click.option("--address", help="Ray cluster address (default: the local head).")
 @db_option
-def rollout_rollback(rollout_id, address, db_url) -> None:
-    """Give every node a rollout touched its previous configuration (default: the latest)."""
+def rollout_rollback(rollout_id, apply_timeout, address, db_url) -> None:
+    """Give every node a rollout touched its previous configuration (default: the latest).
+
+    Nodes that do not answer are recorded as pending; run it again (or `rollout sync`) to reach them.
+    """
     from orchestrator import dispatch
     from orchestrator import rollout as ro
-    from orchestrator.db import repo
 
     db = _open_db(db_url)
-    if rollout_id is None:
-        with db.session() as s:
-            latest = repo.latest_rollout(s)
-            if latest is None:
-                raise BadInput("no rollout yet")
-            rollout_id = latest.id
     with dispatch.connected(address or "auto"):
-        restored = ro.rollback(db, rollout_id)
-    click.echo(f"rollout {rollout_id}: {restored} node(s) restored")
+        done = ro.rollback(db, rollout_id, ro.Applier(apply_timeout),
+                           on_step=lambda text: click.echo(text, err=True))
+    pending = f", {done.pending} pending (not answering; run it again)" if done.pending else ""
+    kept = f", {done.kept} kept (changed since)" if done.kept else ""
+    click.echo(f"rollout {done.rollout_id}: {done.restored} node(s) restored{pending}{kept}")
 
 
 @rollout.command("sync")
@@ -648,6 +652,25 @@ def rollout_history(db_url, fmt) -> None:
                       [Column("rollout", "id", justify="right"), Column("model", "model"),
                        Column("state", "state"), Column("chips", "chips"),
                        Column("nodes", "nodes", justify="right")], fmt))
+
+
+@main.command("serve")
+@click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
+              help="The GGUF file this node serves.")
+@click.option("--server", type=click.Choice(["auto", "llama-cpp-python", "llama-server"]), default="auto",
+              show_default=True, help="auto: llama-server where it is on PATH, else llama-cpp-python.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI API listens on.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--node-id", help="Ray node id whose config to serve (default: this machine's raylet).")
+@click.option("--address", help="Ray cluster address (default: the local one).")
+def serve_command(model_path, server, host, port, node_id, address) -> None:
+    """Serve the model with this node's active configuration: an OpenAI-compatible server,
+    restarted if it dies, switched to a new config without dropping requests."""
+    from workers import serve
+
+    serve.serve(model_path, node_id=node_id, server=server, host=host, port=port, address=address,
+                on_ready=lambda sup: click.echo(f"serving {sup.alias} on {sup.address} (node {sup.node_id[:12]}, "
+                                                f"{sup.kind.name})", err=True))
 
 
 @main.group()
