@@ -352,6 +352,8 @@ def child_main(argv: list[str]) -> None:
     parser.add_argument("--alias", required=True)
     parser.add_argument("--params", required=True)
     args = parser.parse_args(argv)
+    if os.environ.get(NO_EXTRA_BUFFERS_ENV):
+        _without_extra_buffer_types()
     params = BenchParams.from_dict(json.loads(args.params))
     settings = ModelSettings(model=args.model, model_alias=args.alias, n_gpu_layers=params.n_gpu_layers,
                              n_threads=params.n_threads, n_threads_batch=params.n_threads_batch or params.n_threads,
@@ -360,8 +362,8 @@ def child_main(argv: list[str]) -> None:
     app = create_app(server_settings=ServerSettings(), model_settings=[settings])
     _warm(args.alias)
     sock = socket.socket(fileno=args.fd)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=120,
-                                           timeout_keep_alive=5))
+    server = uvicorn.Server(uvicorn.Config(_connection_close(app), log_level="warning",
+                                           timeout_graceful_shutdown=120))
 
     def tell_ready() -> None:
         while not server.started and not server.should_exit:
@@ -372,6 +374,50 @@ def child_main(argv: list[str]) -> None:
 
     threading.Thread(target=tell_ready, daemon=True).start()
     server.run(sockets=[sock])
+
+
+def _connection_close(app):
+    """Every response says ``Connection: close``, so no client holds an idle keep-alive connection
+    to a server that is being retired (a request sent on one just as the server closes it is
+    reset: the one failure seen without this). A new loopback connection per request costs far
+    less than one generated token."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_closing(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return await app(scope, receive, send_closing)
+
+    return wrapped
+
+
+NO_EXTRA_BUFFERS_ENV = "FLEETTUNE_LLAMA_NO_EXTRA_BUFTS"
+
+
+def _without_extra_buffer_types() -> None:
+    """Load models without llama.cpp's extra CPU buffer types (AMX, repacked weights).
+
+    On a machine whose CPU reports AMX that its kernel or sandbox does not let a process use, the
+    AMX buffer type dies with SIGILL on the first batch of more than one token; llama-cpp-python
+    has no setting for it, so the model parameters' default is changed here (set the environment
+    variable FLEETTUNE_LLAMA_NO_EXTRA_BUFTS=1 on such a machine).
+    """
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_cpp.llama_model_default_params
+
+    def without():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = without
 
 
 def _warm(alias: str) -> None:
