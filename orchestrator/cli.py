@@ -561,13 +561,15 @@ ROLLOUT_NODE_COLUMNS = [
 @click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
 @click.option("--tolerance", default="5%", show_default=True,
               help="A canary slower than expected by more than this rolls everything back.")
+@click.option("--params", "pin", help="Roll out these llama.cpp flags instead ('-ngl 99 -t 4 -b 512'): "
+              "an operator's pin, judged by the same canary analysis.")
 @click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds a node has to answer an apply before it counts as failed.")
 @click.option("--dry-run", is_flag=True, help="Show the plan; change nothing.")
 @click.option("--address", help="Ray cluster address (default: the local head).")
 @db_option
 @output_options()
-def rollout_start(model_ref, objective, chips, canary, tolerance, apply_timeout, dry_run, address, db_url,
+def rollout_start(model_ref, objective, chips, canary, tolerance, pin, apply_timeout, dry_run, address, db_url,
                   fmt) -> None:
     """Roll the recommendation out (an unfinished rollout of the model is resumed)."""
     from orchestrator import dispatch
@@ -581,7 +583,8 @@ def rollout_start(model_ref, objective, chips, canary, tolerance, apply_timeout,
     with dispatch.connected(address or "auto"):
         rollout_id = ro.start(db, info, objective=objective, chips=chips.split(",") if chips else None,
                               canary_share=_percent(canary), tolerance=_percent(tolerance),
-                              applier=ro.Applier(apply_timeout), on_step=lambda text: click.echo(text, err=True))
+                              applier=ro.Applier(apply_timeout), on_step=lambda text: click.echo(text, err=True),
+                              pin=pin)
     rows = ro.status_rows(db, rollout_id)
     click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
                       title=f"rollout {rollout_id}: {rows[0]['rollout_state'] if rows else '?'}"))

@@ -52,16 +52,52 @@ class ChipPlan:
     simulated: bool
 
 
-def _payload(rec, model: ModelInfo, objective: str, version: int, rollout_id: int) -> dict:
-    params = BenchParams.from_dict(rec.params)
+FLAGS = {"-ngl": "n_gpu_layers", "--n-gpu-layers": "n_gpu_layers", "-t": "n_threads", "--threads": "n_threads",
+         "-tb": "n_threads_batch", "--threads-batch": "n_threads_batch", "-b": "n_batch", "--batch-size": "n_batch",
+         "-ub": "n_ubatch", "--ubatch-size": "n_ubatch", "-fa": "flash_attn", "--flash-attn": "flash_attn"}
+
+
+def parse_pin(text: str) -> dict:
+    """An operator's pin, "-ngl 99 -t 4 -b 512" (llama.cpp's flags), as params; bounds checked."""
+    from workers import nodeconfig
+
+    words = text.split()
+    if not words or len(words) % 2:
+        raise BadInput(f"--params {text!r}: expected flag/value pairs such as '-ngl 99 -t 4 -b 512'")
+    out: dict = {}
+    for flag, value in zip(words[::2], words[1::2], strict=True):
+        key = FLAGS.get(flag)
+        if key is None:
+            raise BadInput(f"--params: unknown flag {flag!r}; known: {', '.join(sorted(FLAGS))}")
+        if key == "flash_attn":
+            if value not in ("on", "off", "1", "0"):
+                raise BadInput(f"--params: {flag} takes on or off, not {value!r}")
+            out[key] = value in ("on", "1")
+            continue
+        if not value.isdigit():
+            raise BadInput(f"--params: {flag} takes a whole number, not {value!r}")
+        out[key] = int(value)
+        low, high = nodeconfig.PARAM_BOUNDS.get(key, (1, 1024))
+        if not low <= out[key] <= high:
+            raise BadInput(f"--params: {flag} {value} out of range {low}..{high}")
+    return out
+
+
+def _payload(rec, model: ModelInfo, objective: str, version: int, rollout_id: int, pin: dict | None = None
+             ) -> dict:
+    """A chip's config: the recommendation's, or an operator's pin over it (judged against the same
+    expected figure: a pin must do at least as well as the recommendation it replaces)."""
+    params = BenchParams.from_dict({**rec.params, **(pin or {})})
+    if pin and "n_ubatch" not in pin:
+        params = BenchParams.from_dict({**params.to_dict(), "n_ubatch": min(params.n_ubatch, params.n_batch)})
     return {"version": version, "rollout_id": rollout_id, "model_sha256": model.sha256,
             "model_name": model.name, "objective": objective, "params": params.to_dict(),
-            "expected_tps": float(rec.expected_tps), "source": "recommendation",
+            "expected_tps": float(rec.expected_tps), "source": "pin" if pin else "recommendation",
             "workload": {"n_prompt": int(rec.n_prompt), "n_gen": int(rec.n_gen)}}
 
 
 def plan(db: Database, model: ModelInfo, objective: str = "tg", chips: list[str] | None = None,
-         canary_share: float = 0.1) -> list[ChipPlan]:
+         canary_share: float = 0.1, pin: dict | None = None) -> list[ChipPlan]:
     """Per chip with a recommendation and live nodes: the config, its canaries and waves."""
     if not 0 < canary_share <= 1:
         raise BadInput(f"canary share {canary_share:g}: must be in (0, 1]")
@@ -81,7 +117,7 @@ def plan(db: Database, model: ModelInfo, objective: str = "tg", chips: list[str]
             nodes = sorted(nodes_by_chip[key])
             current = repo.active_rollout_config(s, rec.model_id, key)
             out.append(ChipPlan(
-                chip_key=key, payload=_payload(rec, model, objective, rec.version, 0), nodes=nodes,
+                chip_key=key, payload=_payload(rec, model, objective, rec.version, 0, pin), nodes=nodes,
                 n_canary=max(1, math.ceil(canary_share * len(nodes))), expected_tps=rec.expected_tps,
                 current=BenchParams.from_dict(current["params"]).llama_cpp_flags() if current else None,
                 simulated=rec.simulated,
@@ -184,15 +220,21 @@ def _workload(payload: dict) -> tuple[int, int]:
 
 def start(db: Database, model: ModelInfo, *, objective: str = "tg", chips: list[str] | None = None,
           canary_share: float = 0.1, tolerance: float = 0.05, applier: Applier | None = None,
-          on_step: Callable[[str], None] | None = None) -> int:
-    """Create a rollout and carry it out; returns its id. An unfinished one for the model is resumed."""
+          on_step: Callable[[str], None] | None = None, pin: str | None = None) -> int:
+    """Create a rollout and carry it out; returns its id. An unfinished one for the model is resumed.
+
+    ``pin``: llama.cpp flags ("-ngl 99 -t 4 -b 512") rolled out instead of the recommendation, over
+    its other params, judged by the same canary analysis."""
     if not 0 <= tolerance < 1:
         raise BadInput(f"tolerance {tolerance:g}: must be in [0, 1)")
     with db.session() as s:
         unfinished = repo.unfinished_rollout(s, model.sha256)
         rollout_id = unfinished.id if unfinished else None
+    pinned = parse_pin(pin) if pin else None
+    if rollout_id is not None and pinned:
+        raise BadInput(f"rollout {rollout_id} of this model is unfinished: resume or roll it back first")
     if rollout_id is None:
-        plans = plan(db, model, objective, chips, canary_share)
+        plans = plan(db, model, objective, chips, canary_share, pinned)
         nodes = []
         for p in plans:
             wave = max(p.n_canary, 1)
@@ -201,7 +243,7 @@ def start(db: Database, model: ModelInfo, *, objective: str = "tg", chips: list[
         with db.session() as s:
             rollout_id = repo.create_rollout(
                 s, model_id=repo.find_models(s, model.sha256)[0].id, objective=objective,
-                source="recommendation", canary_share=canary_share, tolerance=tolerance,
+                source="pin" if pinned else "recommendation", canary_share=canary_share, tolerance=tolerance,
                 plan={p.chip_key: p.payload for p in plans}, nodes=nodes)
     run(db, rollout_id, model, applier or Applier(), on_step or (lambda text: None))
     return rollout_id

@@ -352,7 +352,9 @@ def child_main(argv: list[str]) -> None:
     parser.add_argument("--alias", required=True)
     parser.add_argument("--params", required=True)
     args = parser.parse_args(argv)
-    if os.environ.get(NO_EXTRA_BUFFERS_ENV):
+    from workers.llamacompat import extra_buffers_usable
+
+    if not extra_buffers_usable(args.model):
         _without_extra_buffer_types()
     params = BenchParams.from_dict(json.loads(args.params))
     settings = ModelSettings(model=args.model, model_alias=args.alias, n_gpu_layers=params.n_gpu_layers,
@@ -396,17 +398,9 @@ def _connection_close(app):
     return wrapped
 
 
-NO_EXTRA_BUFFERS_ENV = "FLEETTUNE_LLAMA_NO_EXTRA_BUFTS"
-
-
 def _without_extra_buffer_types() -> None:
-    """Load models without llama.cpp's extra CPU buffer types (AMX, repacked weights).
-
-    On a machine whose CPU reports AMX that its kernel or sandbox does not let a process use, the
-    AMX buffer type dies with SIGILL on the first batch of more than one token; llama-cpp-python
-    has no setting for it, so the model parameters' default is changed here (set the environment
-    variable FLEETTUNE_LLAMA_NO_EXTRA_BUFTS=1 on such a machine).
-    """
+    """Load models without llama.cpp's extra CPU buffer types, where they crash (workers.llamacompat):
+    llama-cpp-python's ``Llama`` has no setting for it, so the model parameters' default changes."""
     import llama_cpp
     import llama_cpp.llama as llama_module
 
