@@ -677,6 +677,41 @@ def serve_command(model_path, server, host, port, node_id, address) -> None:
 
 
 @main.group()
+def service() -> None:
+    """Run this node's worker or server as a login service (launchd on macOS, systemd on Linux)."""
+
+
+@service.command("install")
+@click.argument("kind", type=click.Choice(["worker", "serve"]))
+@click.option("--address", help="The head, HOST:PORT (worker: required; serve: to ask the head for configs).")
+@click.option("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
+@click.option("--model", "model_path", help="serve: the GGUF file to serve.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+def service_install(kind, address, token, model_path, port, system) -> None:
+    """Write the service file and print the command that starts it."""
+    from workers import service as svc
+
+    done = svc.install(kind, address=address, model=model_path, port=port, token=token, system=system)
+    click.echo(f"wrote {done.path}")
+    click.echo(f"start it with:  {done.load}")
+
+
+@service.command("uninstall")
+@click.argument("kind", type=click.Choice(["worker", "serve"]))
+@click.option("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+def service_uninstall(kind, system) -> None:
+    """Remove the service file (stop it first with the printed command)."""
+    from workers import service as svc
+
+    done = svc.uninstall(kind, system=system)
+    if done is None:
+        raise BadInput(f"no {kind} service installed")
+    click.echo(f"removed {done.path}")
+    click.echo(f"stop it with:  {done.unload}")
+
+
+@main.group()
 def config() -> None:
     """This node's active configuration, as a rollout left it."""
 
@@ -915,6 +950,9 @@ STATUS_COLUMNS = [
     Column("trials_done", "trials", justify="right"),
     Column("last_seen", "last seen"),
     Column("flag", "flag"),
+    Column("served_model", "serves"),
+    Column("config_version", "config", justify="right"),
+    Column("health", "health"),
 ]
 
 
@@ -923,16 +961,16 @@ STATUS_COLUMNS = [
 @db_option
 @output_options()
 def fleet_status(address, db_url, fmt) -> None:
-    """Nodes: chip, state (idle/busy/dead), trials done, last seen, slow-node flags."""
-    from orchestrator import dispatch, fleet
+    """Nodes: chip, state (idle/busy/dead), trials done, last seen, slow-node flags, and what each
+    serves (model, config version, health)."""
+    from orchestrator import dispatch, serving
 
     db = _open_db(db_url)
     with dispatch.connected(address or "auto"):
         rows = []
-        for n in fleet.fleet_status(db):
-            row = dict(n.__dict__)
-            row["last_seen"] = n.last_seen.strftime("%Y-%m-%d %H:%M") if n.last_seen else None
-            row["flag"] = f"slow {n.slow_by:.0%}" if n.slow_by else ("sim" if n.simulated else "")
+        for row in serving.fleet_rows(db):
+            row["last_seen"] = row["last_seen"].strftime("%Y-%m-%d %H:%M") if row["last_seen"] else None
+            row["flag"] = f"slow {row['slow_by']:.0%}" if row["slow_by"] else ("sim" if row["simulated"] else "")
             rows.append(row)
     click.echo(render(rows, STATUS_COLUMNS, fmt))
 

@@ -245,8 +245,20 @@ def start(db: Database, model: ModelInfo, *, objective: str = "tg", chips: list[
                 s, model_id=repo.find_models(s, model.sha256)[0].id, objective=objective,
                 source="pin" if pinned else "recommendation", canary_share=canary_share, tolerance=tolerance,
                 plan={p.chip_key: p.payload for p in plans}, nodes=nodes)
-    run(db, rollout_id, model, applier or Applier(), on_step or (lambda text: None))
+    on_step = on_step or (lambda text: None)
+    run(db, rollout_id, model, applier or Applier(), on_step)
+    publish(db, on_step)
     return rollout_id
+
+
+def publish(db: Database, on_step=None) -> None:
+    """Tell the config hub what each chip runs now (joining nodes ask it through Ray)."""
+    from orchestrator import serving
+
+    try:
+        serving.publish_configs(db)
+    except Exception as exc:  # noqa: BLE001 - the rollout stands; joining nodes then wait for `rollout sync`
+        (on_step or print)(f"config hub not updated: {exc}")
 
 
 @dataclass
@@ -490,6 +502,7 @@ def rollback(db: Database, rollout_id: int | None = None, applier: Applier | Non
         pending = repo.rollout_nodes_left_to_restore(s, rollout_id)
         if not pending:
             repo.set_rollout_state(s, rollout_id, "rolled_back", message)
+    publish(db, on_step)
     return RollbackResult(rollout_id, restored, pending, kept)
 
 
@@ -568,4 +581,5 @@ def sync(db: Database, model: ModelInfo | None = None, applier: Applier | None =
         result = applier.apply(node.ray_node_id, payload)
         out.append({"node": node.ray_node_id[:12], "chip": node.chip_key, "version": payload["version"],
                     "changed": result["previous"] != payload})
+    publish(db)
     return out

@@ -44,6 +44,7 @@ from workers.trial import BenchParams
 DEFAULT_PARAMS = {"n_gpu_layers": 99, "n_threads": 4, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
                   "n_threads_batch": None}
 HEALTH_EVERY_S = 2.0
+HUB_EVERY_S = 10.0
 STATUS_FRESH_S = 15.0  # a status file older than this: the supervisor is gone
 READY_TIMEOUT_S = 300.0
 N_CTX = 2048
@@ -171,6 +172,8 @@ class Supervisor:
         self.healthy = False
         self.health_error: str | None = None
         self._last_health = 0.0
+        self._last_hub = -HUB_EVERY_S
+        self.chip_key: str | None = None  # set when connected to Ray: the hub is asked by chip
         self._stop = False
 
     @property
@@ -178,8 +181,16 @@ class Supervisor:
         return f"http://{self.host}:{self.port}/v1"
 
     def wanted(self) -> dict | None:
-        """The node's active config, if it is for the model this node serves."""
+        """The node's active config, if it is for the model this node serves; a node without one
+        asks the head's config hub for its chip's (through Ray) every HUB_EVERY_S."""
         config = nodeconfig.read(self.node_id)
+        if config is None and self.chip_key and time.monotonic() - self._last_hub >= HUB_EVERY_S:
+            from workers import confighub
+
+            self._last_hub = time.monotonic()
+            given = confighub.ask(self.chip_key, self.model_sha256)
+            if given is not None:
+                config = nodeconfig.write(self.node_id, given, only_if=[None])["applied"] and given
         return config if config and config.get("model_sha256") == self.model_sha256 else None
 
     def _spawn(self, config: dict | None) -> Child:
@@ -300,8 +311,8 @@ class Supervisor:
         status_path(self.node_id).unlink(missing_ok=True)
 
 
-def local_node_id(address: str | None) -> str:
-    """The Ray node id of this machine's raylet (connecting to the fleet's cluster)."""
+def join_ray(address: str | None) -> str:
+    """Connect to the fleet's Ray cluster; the Ray node id of the raylet this process attached to."""
     import ray
 
     if not ray.is_initialized():
@@ -310,6 +321,18 @@ def local_node_id(address: str | None) -> str:
         except (ConnectionError, RuntimeError) as exc:
             raise BadInput(f"no Ray cluster to serve in ({exc}); start the worker first, or pass --node-id") from None
     return ray.get_runtime_context().get_node_id()
+
+
+def chip_of(node_id: str) -> str | None:
+    """The node's chip label (what the head's config hub is keyed by)."""
+    import ray
+
+    from workers.join import CHIP_LABEL
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return (node.get("Labels") or {}).get(CHIP_LABEL)
+    return None
 
 
 def serve(model_path: str, *, node_id: str | None = None, server: str = "auto", host: str = "127.0.0.1",
@@ -322,11 +345,17 @@ def serve(model_path: str, *, node_id: str | None = None, server: str = "auto", 
     kind = server_kind(server)
     if not 0 <= port <= 65535:
         raise BadInput(f"port {port}: must be in 0..65535")
-    node_id = node_id or local_node_id(address)
+    if node_id is None or address:  # on a fleet node: its raylet's id, and the head's hub to ask
+        attached = join_ray(address)
+        node_id = node_id or attached
     try:
         supervisor = Supervisor(node_id, str(Path(model_path).resolve()), info.sha256, kind, host, port)
     except OSError as exc:
         raise BadInput(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    import ray
+
+    if ray.is_initialized():
+        supervisor.chip_key = chip_of(node_id)
     if on_ready:
         on_ready(supervisor)
     supervisor.run(max_s=max_s)

@@ -394,6 +394,12 @@ def current_chip_configs(session: Session, model_sha256: str | None = None) -> d
     return current
 
 
+def rolled_out_models(session: Session) -> list[str]:
+    """The sha256 of every model some rollout was promoted for."""
+    return list(session.scalars(select(Model.sha256).join(Rollout, Rollout.model_id == Model.id)
+                                .where(Rollout.state == "promoted").distinct()))
+
+
 UNFINISHED_ROLLOUT_STATES = ("running", "rolling_back")
 
 
