@@ -39,6 +39,7 @@ SWITCH_TIMEOUT_S = 300.0  # a serving canary has this long to start serving the 
 PROBE_REQUESTS = 4  # served requests per node and analysis
 PROBE_MAX_PROMPT, PROBE_MAX_GEN = 1024, 128  # the workload, bounded to what a 2048 context holds
 MAX_CONTROLS = 2  # same-chip nodes on the old config measured beside each canary
+SNAPSHOT_REQUESTS = 2  # served requests per node before its apply and after promotion (the record)
 
 
 @dataclass(frozen=True)
@@ -274,11 +275,12 @@ class _Row:
     state: str
     intent: bool
     reason: str | None
+    analysis: dict | None = None
 
     @classmethod
     def of(cls, n) -> _Row:
         return cls(n.id, n.ray_node_id, n.chip_key, n.stage, n.config, n.previous, n.state,
-                   n.intent_at is not None, n.reason)
+                   n.intent_at is not None, n.reason, n.analysis)
 
 
 def _rows(db: Database, rollout_id: int) -> tuple[str, float, list[_Row]]:
@@ -311,6 +313,12 @@ def run(db: Database, rollout_id: int, model: ModelInfo, applier: Applier, on_st
                 on_step(failure)
                 rollback(db, rollout_id, applier, failure, on_step=on_step)
                 return
+    _, _, rows = _rows(db, rollout_id)
+    for row in rows:  # the record: what each serving node serves now, in the rollout's objective
+        if applier.serve_status(row.node_id) and _wait_serving(applier, row.node_id, int(row.config["version"])):
+            after = served_snapshot(applier, row)
+            if after:
+                _set(db, row.id, analysis={**(row.analysis or {}), "after": after})
     with db.session() as s:
         repo.set_rollout_state(s, rollout_id, "promoted")
 
@@ -326,8 +334,12 @@ def _advance(db: Database, row: _Row, model: ModelInfo, applier: Applier, tolera
             reason = f"{where}: could not read its config: {exc}"
             _set(db, row.id, state="failed", reason=reason)
             return reason
+        before = served_snapshot(applier, row)
         with db.session() as s:
             repo.record_intent(s, row.id, previous)
+            if before:
+                row.analysis = {**(row.analysis or {}), "before": before}
+                repo.set_rollout_node(s, row.id, analysis=row.analysis)
         row.state, row.previous, row.intent = "intent", previous, True
     if row.state == "intent":
         try:
@@ -345,8 +357,9 @@ def _advance(db: Database, row: _Row, model: ModelInfo, applier: Applier, tolera
         row.state = "applied"
     if row.stage == 0 and row.state == "applied":  # canaries are verified before anyone else moves
         verdict = judge_canary(row, controls, model, applier, tolerance)
+        row.analysis = {**(row.analysis or {}), **verdict.analysis}
         _set(db, row.id, state="failed" if verdict.failure else "verified", measured_tps=verdict.rate,
-             analysis=verdict.analysis, reason=verdict.failure)
+             analysis=row.analysis, reason=verdict.failure)
         if verdict.failure:
             return verdict.failure
         on_step(f"{row.chip_key} canary {row.node_id[:12]}: {verdict.summary}, verified")
@@ -424,9 +437,12 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
                 "canary": canary, "rate": rate, "controls": control_figures, "control_rate": control_rate,
                 "expected": expected, "tolerance": tolerance}
     if rate is None:
-        errors = canary.get("errors", "?")
-        return Verdict(None, f"{where}: {errors} of {canary.get('requests', '?')} served requests failed "
-                       f"({'; '.join(canary.get('failures') or [])})", analysis, "errors")
+        if canary.get("errors"):
+            why = (f"{canary['errors']} of {canary.get('requests', '?')} served requests failed "
+                   f"({'; '.join(canary.get('failures') or [])})")
+        else:
+            why = f"no {obj.name} rate from its served requests ({canary.get('n_gen')} tokens generated)"
+        return Verdict(None, f"{where}: {why}", analysis, "no rate")
     summary = f"{rate:.2f} tok/s served ({obj.name}), ttft {canary['ttft_s'] * 1000:.0f} ms"
     if control_rate:
         analysis["ab_floor"] = control_rate * (1 - tolerance)
@@ -444,6 +460,23 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     if control_rate:
         summary += f", control {control_rate:.2f}"
     return Verdict(rate, None, analysis, summary)
+
+
+def served_snapshot(applier: Applier, row: _Row) -> dict | None:
+    """A few requests of the payload's workload through the node's server (None: it serves
+    nothing): its rate in the payload's objective, time to first token, errors, config served."""
+    if applier.serve_status(row.node_id) is None:
+        return None
+    obj = objective_named(row.config["objective"])
+    n_prompt, n_gen = _workload(row.config)
+    n_prompt, n_gen = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
+    try:
+        summary = applier.probe(row.node_id, n_prompt, n_gen, SNAPSHOT_REQUESTS)
+    except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
+        return {"error": str(exc)}
+    return {"rate": _served_rate(obj, summary, n_prompt, n_gen), "ttft_s": summary.get("ttft_s"),
+            "tg_tps": summary.get("tg_tps"), "pp_tps": summary.get("pp_tps"), "errors": summary.get("errors"),
+            "config_version": summary.get("config_version")}
 
 
 def _wait_serving(applier: Applier, node_id: str, version: int) -> bool:

@@ -102,7 +102,7 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
     chip_key, nodes, statuses = serving_fleet
     db = open_database(sqlite_url)
     for objective in ("tg", "pp", "e2e"):
-        tune(db, StudyConfig(model=model_info, objective=objective, n_trials=2, seed=1, confirm_top=1,
+        tune(db, StudyConfig(model=model_info, objective=objective, n_trials=1, seed=1, confirm_top=1,
                              workload=WORKLOAD), chip_key=chip_key, warm=False)
 
     def served_versions():
@@ -149,3 +149,27 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
     assert [nodeconfig.read(n) for n in nodes] == [current] * 3  # ... is each node's config
     assert served_versions() == [current["version"]] * 3  # ... and what each node serves
     assert all(serve.read_status(n)["params"] == current["params"] for n in nodes)
+
+
+def test_a_node_that_joins_later_serves_its_chips_config(serving_fleet, ray_cluster, model_path, tmp_path):
+    """A fourth node of the chip starts `fleettune serve` with no config: it asks the head's config
+    hub through Ray (published by the rollouts above) and serves the chip's current config."""
+    chip_key, nodes, _ = serving_fleet
+    current = nodeconfig.read(nodes[0])
+    assert current is not None  # the previous test left the chip on a promoted config
+    cluster = ray_cluster["cluster"]
+    joined = cluster.add_node(num_cpus=1, resources={BENCH_RESOURCE: 1}, labels={CHIP_LABEL: chip_key})
+    cluster.wait_for_nodes()
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen([FLEETTUNE, "serve", "--model", str(model_path), "--node-id", joined.node_id,
+                                 "--port", "0", "--server", "llama-cpp-python", "--address", ray_cluster["address"]],
+                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        status = wait_until(lambda: (s := serve.read_status(joined.node_id)) and s["healthy"]
+                            and s["config_version"] == current["version"] and s, timeout=180)
+        assert status["params"] == current["params"] and nodeconfig.read(joined.node_id) == current
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        cluster.remove_node(joined)
+        nodeconfig.write(joined.node_id, None)

@@ -17,13 +17,13 @@ import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "bright", "stars", "rise", "above", "quiet", "hills", "and", "rivers", "carry", "old", "stories", "toward", "the", "sea"]
-
 
 def prompt_of(n_tokens: int, seed: int) -> str:
-    """A fixed prompt of about ``n_tokens`` tokens (one short word is about one token)."""
-    n = max(1, n_tokens)
-    return " ".join(WORDS[(seed + i) % len(WORDS)] for i in range(n))
+    """A fixed prompt of about ``n_tokens`` tokens: a count ("101, 102, 103,"), which a model goes
+    on counting rather than stopping early, so the requested tokens are generated (a number and
+    its comma are about two tokens)."""
+    start = 100 * (seed + 1)
+    return ", ".join(str(start + i) for i in range(max(1, n_tokens // 2))) + ","
 
 
 @dataclass(frozen=True)
