@@ -98,6 +98,7 @@ class RoundRobinLoop:
         self._thread.join(timeout=180)
 
 
+@pytest.mark.timeout(1800)  # three real studies and five rollouts on real servers
 def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_fleet, model_info, sqlite_url):
     chip_key, nodes, statuses = serving_fleet
     db = open_database(sqlite_url)
