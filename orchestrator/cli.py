@@ -559,11 +559,16 @@ ROLLOUT_NODE_COLUMNS = [
 @click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
 @click.option("--tolerance", default="5%", show_default=True,
               help="A canary slower than expected by more than this rolls everything back.")
+@click.option("--params", "pin", help="Roll out these llama.cpp flags instead ('-ngl 99 -t 4 -b 512'): "
+              "an operator's pin, judged by the same canary analysis.")
+@click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds a node has to answer an apply before it counts as failed.")
 @click.option("--dry-run", is_flag=True, help="Show the plan; change nothing.")
 @click.option("--address", help="Ray cluster address (default: the local head).")
 @db_option
 @output_options()
-def rollout_start(model_ref, objective, chips, canary, tolerance, dry_run, address, db_url, fmt) -> None:
+def rollout_start(model_ref, objective, chips, canary, tolerance, pin, apply_timeout, dry_run, address, db_url,
+                  fmt) -> None:
     """Roll the recommendation out (an unfinished rollout of the model is resumed)."""
     from orchestrator import dispatch
     from orchestrator import rollout as ro
@@ -576,7 +581,8 @@ def rollout_start(model_ref, objective, chips, canary, tolerance, dry_run, addre
     with dispatch.connected(address or "auto"):
         rollout_id = ro.start(db, info, objective=objective, chips=chips.split(",") if chips else None,
                               canary_share=_percent(canary), tolerance=_percent(tolerance),
-                              on_step=lambda text: click.echo(text, err=True))
+                              applier=ro.Applier(apply_timeout), on_step=lambda text: click.echo(text, err=True),
+                              pin=pin)
     rows = ro.status_rows(db, rollout_id)
     click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
                       title=f"rollout {rollout_id}: {rows[0]['rollout_state'] if rows else '?'}"))
@@ -597,24 +603,25 @@ def rollout_status(rollout_id, db_url, fmt) -> None:
 
 @rollout.command("rollback")
 @click.argument("rollout_id", type=int, required=False)
+@click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds a node has to answer; one that does not is restored later.")
 @click.option("--address", help="Ray cluster address (default: the local head).")
 @db_option
-def rollout_rollback(rollout_id, address, db_url) -> None:
-    """Give every node a rollout touched its previous configuration (default: the latest)."""
+def rollout_rollback(rollout_id, apply_timeout, address, db_url) -> None:
+    """Give every node a rollout touched its previous configuration (default: the latest).
+
+    Nodes that do not answer are recorded as pending; run it again (or `rollout sync`) to reach them.
+    """
     from orchestrator import dispatch
     from orchestrator import rollout as ro
-    from orchestrator.db import repo
 
     db = _open_db(db_url)
-    if rollout_id is None:
-        with db.session() as s:
-            latest = repo.latest_rollout(s)
-            if latest is None:
-                raise BadInput("no rollout yet")
-            rollout_id = latest.id
     with dispatch.connected(address or "auto"):
-        restored = ro.rollback(db, rollout_id)
-    click.echo(f"rollout {rollout_id}: {restored} node(s) restored")
+        done = ro.rollback(db, rollout_id, ro.Applier(apply_timeout),
+                           on_step=lambda text: click.echo(text, err=True))
+    pending = f", {done.pending} pending (not answering; run it again)" if done.pending else ""
+    kept = f", {done.kept} kept (changed since)" if done.kept else ""
+    click.echo(f"rollout {done.rollout_id}: {done.restored} node(s) restored{pending}{kept}")
 
 
 @rollout.command("sync")
@@ -646,6 +653,60 @@ def rollout_history(db_url, fmt) -> None:
                       [Column("rollout", "id", justify="right"), Column("model", "model"),
                        Column("state", "state"), Column("chips", "chips"),
                        Column("nodes", "nodes", justify="right")], fmt))
+
+
+@main.command("serve")
+@click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
+              help="The GGUF file this node serves.")
+@click.option("--server", type=click.Choice(["auto", "llama-cpp-python", "llama-server"]), default="auto",
+              show_default=True, help="auto: llama-server where it is on PATH, else llama-cpp-python.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI API listens on.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--node-id", help="Ray node id whose config to serve (default: this machine's raylet).")
+@click.option("--address", help="Ray cluster address (default: the local one).")
+def serve_command(model_path, server, host, port, node_id, address) -> None:
+    """Serve the model with this node's active configuration: an OpenAI-compatible server,
+    restarted if it dies, switched to a new config without dropping requests."""
+    from workers import serve
+
+    serve.serve(model_path, node_id=node_id, server=server, host=host, port=port, address=address,
+                on_ready=lambda sup: click.echo(f"serving {sup.alias} on {sup.address} (node {sup.node_id[:12]}, "
+                                                f"{sup.kind.name})", err=True))
+
+
+@main.group()
+def service() -> None:
+    """Run this node's worker or server as a login service (launchd on macOS, systemd on Linux)."""
+
+
+@service.command("install")
+@click.argument("kind", type=click.Choice(["worker", "serve"]))
+@click.option("--address", help="The head, HOST:PORT (worker: required; serve: to ask the head for configs).")
+@click.option("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
+@click.option("--model", "model_path", help="serve: the GGUF file to serve.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+def service_install(kind, address, token, model_path, port, system) -> None:
+    """Write the service file and print the command that starts it."""
+    from workers import service as svc
+
+    done = svc.install(kind, address=address, model=model_path, port=port, token=token, system=system)
+    click.echo(f"wrote {done.path}")
+    click.echo(f"start it with:  {done.load}")
+
+
+@service.command("uninstall")
+@click.argument("kind", type=click.Choice(["worker", "serve"]))
+@click.option("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+def service_uninstall(kind, system) -> None:
+    """Remove the service file (stop it first with the printed command)."""
+    from workers import service as svc
+
+    done = svc.uninstall(kind, system=system)
+    if done is None:
+        raise BadInput(f"no {kind} service installed")
+    click.echo(f"removed {done.path}")
+    click.echo(f"stop it with:  {done.unload}")
 
 
 @main.group()
@@ -914,6 +975,9 @@ STATUS_COLUMNS = [
     Column("trials_done", "trials", justify="right"),
     Column("last_seen", "last seen"),
     Column("flag", "flag"),
+    Column("served_model", "serves"),
+    Column("config_version", "config", justify="right"),
+    Column("health", "health"),
 ]
 
 
@@ -922,16 +986,16 @@ STATUS_COLUMNS = [
 @db_option
 @output_options()
 def fleet_status(address, db_url, fmt) -> None:
-    """Nodes: chip, state (idle/busy/dead), trials done, last seen, slow-node flags."""
-    from orchestrator import dispatch, fleet
+    """Nodes: chip, state (idle/busy/dead), trials done, last seen, slow-node flags, and what each
+    serves (model, config version, health)."""
+    from orchestrator import dispatch, serving
 
     db = _open_db(db_url)
     with dispatch.connected(address or "auto"):
         rows = []
-        for n in fleet.fleet_status(db):
-            row = dict(n.__dict__)
-            row["last_seen"] = n.last_seen.strftime("%Y-%m-%d %H:%M") if n.last_seen else None
-            row["flag"] = f"slow {n.slow_by:.0%}" if n.slow_by else ("sim" if n.simulated else "")
+        for row in serving.fleet_rows(db):
+            row["last_seen"] = row["last_seen"].strftime("%Y-%m-%d %H:%M") if row["last_seen"] else None
+            row["flag"] = f"slow {row['slow_by']:.0%}" if row["slow_by"] else ("sim" if row["simulated"] else "")
             rows.append(row)
     click.echo(render(rows, STATUS_COLUMNS, fmt))
 

@@ -103,9 +103,9 @@ def test_a_killed_rollout_resumes_without_applying_twice(tuned):
     applied = []
 
     class Counting(ro.Applier):
-        def apply(self, node_id, payload, timeout_s=60):
+        def apply(self, node_id, payload, only_if=None):
             applied.append(node_id)
-            return super().apply(node_id, payload, timeout_s)
+            return super().apply(node_id, payload, only_if)
 
     resumed = ro.start(db, model, canary_share=0.34, tolerance=0.5, applier=Counting())
     rows = ro.status_rows(db, resumed)

@@ -206,16 +206,56 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def apply_config(node_id: str, payload: dict | None) -> dict | None:
-    """On a node: make ``payload`` its active configuration (None: none); returns the one replaced.
-
-    Runs pinned to ``node_id``; refuses to write another node's file.
-    """
+def _check_node(node_id: str) -> None:
     import ray
-
-    from workers import nodeconfig
 
     here = ray.get_runtime_context().get_node_id()
     if here != node_id:
         raise RuntimeError(f"config for node {node_id[:12]} reached node {here[:12]}")
-    return nodeconfig.write(node_id, payload)
+
+
+def read_config(node_id: str) -> dict | None:
+    """On a node: its active configuration (None: none). Runs pinned to ``node_id``."""
+    from workers import nodeconfig
+
+    _check_node(node_id)
+    return nodeconfig.read(node_id)
+
+
+def apply_config(node_id: str, payload: dict | None, only_if: list[dict | None] | None = None) -> dict:
+    """On a node: make ``payload`` its active configuration (None: none), only if it holds one of
+    ``only_if`` now (None: whatever it holds); ``{"previous", "applied"}`` as nodeconfig.write.
+
+    Runs pinned to ``node_id``; refuses to write another node's file.
+    """
+    from workers import nodeconfig
+
+    _check_node(node_id)
+    return nodeconfig.write(node_id, payload, only_if)
+
+
+# ---------------------------------------------------------------- serving (fleettune serve on the node)
+
+
+def serve_status(node_id: str) -> dict | None:
+    """On a node: what its `fleettune serve` supervisor serves (None: nothing)."""
+    from workers import serve
+
+    _check_node(node_id)
+    return serve.read_status(node_id)
+
+
+def probe_served(node_id: str, n_prompt: int, n_gen: int, n_requests: int, deadline_s: float = 300) -> dict:
+    """On a node: send the workload's fixed prompt set to its own server (loopback) and summarise
+    what came back; with the config version served before and after, so a switch is seen."""
+    from workers import probe, serve
+
+    _check_node(node_id)
+    before = serve.read_status(node_id)
+    if not before or not before.get("fresh") or not before.get("ready"):
+        return {"served": False, "error": "no server running on this node"}
+    summary = probe.probe(before["address"], before["model"], n_prompt, n_gen, n_requests, deadline_s)
+    after = serve.read_status(node_id) or {}
+    summary.pop("results", None)
+    return {"served": True, **summary, "config_version": before["config_version"],
+            "config_version_after": after.get("config_version")}

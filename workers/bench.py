@@ -142,7 +142,9 @@ class _Llama:
 
     def load(self, path: str, params: BenchParams):
         lib = self.lib
-        mparams = lib.llama_model_default_params()
+        from workers.llamacompat import model_params
+
+        mparams = model_params(lib, path)  # extra CPU buffer types off where they crash
         mparams.n_gpu_layers = params.n_gpu_layers
         model = lib.llama_model_load_from_file(path.encode(), mparams)
         if not model:

@@ -213,7 +213,9 @@ class Rollout(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("ft_models.id"))
     objective: Mapped[str] = mapped_column(String(10))
-    state: Mapped[str] = mapped_column(String(20), default="running")  # running|promoted|rolled_back
+    # running | rolling_back (some node still to restore) | promoted | rolled_back
+    state: Mapped[str] = mapped_column(String(20), default="running")
+    source: Mapped[str] = mapped_column(String(20), default="recommendation", server_default="recommendation")
     canary_share: Mapped[float] = mapped_column(Float)
     tolerance: Mapped[float] = mapped_column(Float)
     plan: Mapped[dict] = mapped_column(JSON)  # chip key -> the configuration payload
@@ -235,7 +237,11 @@ class RolloutNode(Base):
     stage: Mapped[int] = mapped_column(Integer)
     config: Mapped[dict] = mapped_column(JSON)
     previous: Mapped[dict | None] = mapped_column(JSON)
-    state: Mapped[str] = mapped_column(String(20), default="pending")  # pending|applied|verified|failed|rolled_back
+    # pending | intent (previous recorded, apply under way) | applied | verified | failed
+    # | restore_pending (rollback could not reach it) | rolled_back | kept (held another config) | cancelled
+    state: Mapped[str] = mapped_column(String(20), default="pending")
+    intent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # previous is known
     measured_tps: Mapped[float | None] = mapped_column(Float)
+    analysis: Mapped[dict | None] = mapped_column(JSON)  # the canary's served-traffic figures
     reason: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -18,6 +18,7 @@ from orchestrator.db.models import (
     Node,
     Recommendation,
     Rollout,
+    RolloutNode,
     SampleRow,
     Study,
     Trial,
@@ -563,9 +564,30 @@ def active_rollout_config(session: Session, model_id: int, chip_key: str) -> dic
     return None
 
 
+def current_chip_configs(session: Session, model_sha256: str | None = None) -> dict[str, dict]:
+    """Per chip key, the configuration its nodes should run: the newest promoted rollout's (of
+    ``model_sha256`` only, when given)."""
+    query = select(Rollout).where(Rollout.state == "promoted").order_by(Rollout.id)
+    if model_sha256:
+        query = query.join(Model, Rollout.model_id == Model.id).where(Model.sha256 == model_sha256)
+    current: dict[str, dict] = {}
+    for rollout in session.scalars(query):  # oldest first: newer rollouts overwrite
+        current.update(rollout.plan)
+    return current
+
+
+def rolled_out_models(session: Session) -> list[str]:
+    """The sha256 of every model some rollout was promoted for."""
+    return list(session.scalars(select(Model.sha256).join(Rollout, Rollout.model_id == Model.id)
+                                .where(Rollout.state == "promoted").distinct()))
+
+
+UNFINISHED_ROLLOUT_STATES = ("running", "rolling_back")
+
+
 def unfinished_rollout(session: Session, model_sha256: str) -> Rollout | None:
     return session.scalar(select(Rollout).join(Model, Rollout.model_id == Model.id)
-                          .where(Model.sha256 == model_sha256, Rollout.state == "running")
+                          .where(Model.sha256 == model_sha256, Rollout.state.in_(UNFINISHED_ROLLOUT_STATES))
                           .order_by(Rollout.id.desc()))
 
 
@@ -573,8 +595,65 @@ def latest_rollout(session: Session) -> Rollout | None:
     return session.scalar(select(Rollout).order_by(Rollout.id.desc()))
 
 
+def get_rollout(session: Session, rollout_id: int) -> Rollout:
+    rollout = session.get(Rollout, rollout_id)
+    if rollout is None:
+        raise BadInput(f"no rollout {rollout_id}")
+    return rollout
+
+
 def list_rollouts(session: Session) -> list[Rollout]:
     return list(session.scalars(select(Rollout).options(joinedload(Rollout.model)).order_by(Rollout.id)))
+
+
+def create_rollout(session: Session, *, model_id: int, objective: str, source: str, canary_share: float,
+                   tolerance: float, plan: dict[str, dict], nodes: list[tuple[str, str, int]]) -> int:
+    """A new running rollout: ``plan`` is chip key -> payload (its version and rollout_id set here to
+    the rollout's id), ``nodes`` (ray node id, chip key, stage). Returns its id."""
+    rollout = Rollout(model_id=model_id, objective=objective, source=source, state="running",
+                      canary_share=canary_share, tolerance=tolerance, plan={})
+    session.add(rollout)
+    session.flush()
+    payloads = {chip: {**payload, "rollout_id": rollout.id, "version": rollout.id}
+                for chip, payload in plan.items()}
+    rollout.plan = payloads  # a new dict: SQLAlchemy does not see a JSON value change in place
+    for node_id, chip_key, stage in nodes:
+        rollout.nodes.append(RolloutNode(ray_node_id=node_id, chip_key=chip_key, stage=stage,
+                                         config=payloads[chip_key], state="pending"))
+    session.flush()
+    return rollout.id
+
+
+def rollout_nodes(session: Session, rollout_id: int) -> list[RolloutNode]:
+    return list(session.scalars(select(RolloutNode).where(RolloutNode.rollout_id == rollout_id)
+                                .order_by(RolloutNode.id)))
+
+
+def set_rollout_node(session: Session, row_id: int, **fields) -> None:
+    session.execute(update(RolloutNode).where(RolloutNode.id == row_id).values(**fields, updated_at=utcnow()))
+
+
+def record_intent(session: Session, row_id: int, previous: dict | None) -> None:
+    """Write-ahead: the node's config before the apply, recorded before the apply is sent."""
+    set_rollout_node(session, row_id, state="intent", previous=previous, intent_at=utcnow())
+
+
+def set_rollout_state(session: Session, rollout_id: int, state: str, message: str | None = None) -> None:
+    session.execute(update(Rollout).where(Rollout.id == rollout_id)
+                    .values(state=state, message=message, updated_at=utcnow()))
+
+
+def pending_restores(session: Session, ray_node_id: str | None = None) -> list[RolloutNode]:
+    """Rollback steps that could not reach their node yet (optionally: of one node)."""
+    query = select(RolloutNode).where(RolloutNode.state == "restore_pending")
+    if ray_node_id:
+        query = query.where(RolloutNode.ray_node_id == ray_node_id)
+    return list(session.scalars(query.order_by(RolloutNode.id)))
+
+
+def rollout_nodes_left_to_restore(session: Session, rollout_id: int) -> int:
+    return session.scalar(select(func.count()).select_from(RolloutNode).where(
+        RolloutNode.rollout_id == rollout_id, RolloutNode.state == "restore_pending")) or 0
 
 
 # ---------------------------------------------------------------- fleet

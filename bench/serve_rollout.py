@@ -1,0 +1,117 @@
+"""Served tokens/s per node before and after a rollout, drawn from the rollout's own records.
+
+A local Ray cluster of three nodes of this machine's chip, each running `fleettune serve` with
+SmolLM2-135M (llama-cpp-python's server on loopback). First an operator's pin goes out to every
+node (``--params '-t 1 -b 8 -ub 8'``, tolerance 90 %, so it is promoted: the "before"), then the tuned
+recommendation (tg, 2 trials): its rollout records, per node, the served rate just before its apply
+and after the promotion (``analysis.before`` / ``analysis.after`` of ``rollout status --json``).
+The figure and the table printed come from those records only.
+
+    python bench/serve_rollout.py -o docs/plots/rollout-served.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
+
+
+def wait_for(condition, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)  # polling a condition with a deadline
+    raise TimeoutError("condition not met")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", default="docs/plots/rollout-served.png")
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="fleettune-serve-bench-"))
+    os.environ["FLEETTUNE_HOME"] = str(home)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator import rollout as ro
+    from orchestrator.db import open_database
+    from orchestrator.dispatch import BENCH_RESOURCE, CHIP_LABEL
+    from orchestrator.studies import StudyConfig
+    from orchestrator.tune import tune
+    from workers import serve
+    from workers.hardware import fingerprint_live
+    from workers.models import fetch_known_model, read_model_info
+    from workers.trial import Workload
+
+    model_path = fetch_known_model("smollm2-135m", home / "models")
+    model = read_model_info(model_path)
+    chip = fingerprint_live().chip_key
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    nodes = [cluster.add_node(num_cpus=1, resources={BENCH_RESOURCE: 1}, labels={CHIP_LABEL: chip})
+             for _ in range(3)]
+    cluster.wait_for_nodes()
+    procs = [subprocess.Popen([FLEETTUNE, "serve", "--model", str(model_path), "--node-id", n.node_id,
+                               "--port", "0", "--server", "llama-cpp-python"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for n in nodes]
+    try:
+        for n in nodes:
+            wait_for(lambda n=n: (s := serve.read_status(n.node_id)) and s["healthy"], 180)
+        db = open_database(f"sqlite:///{home / 'results.db'}")
+        tune(db, StudyConfig(model=model, objective="tg", n_trials=2, seed=1, confirm_top=1,
+                             workload=Workload(n_prompt=64, n_gen=32, reps=2)), chip_key=chip, warm=False)
+        ro.start(db, model, canary_share=0.3, tolerance=0.9, pin="-t 1 -b 8 -ub 8")
+        rollout_id = ro.start(db, model, canary_share=0.3, tolerance=0.4)
+        rows = ro.status_rows(db, rollout_id)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=120)
+        ray.shutdown()
+        cluster.shutdown()
+
+    print(f"rollout {rollout_id}: {rows[0]['rollout_state']}, config {rows[0]['flags']}")
+    print(f"{'node':14} {'stage':>5} {'before tok/s':>13} {'after tok/s':>12}")
+    labels, before, after = [], [], []
+    for row in rows:
+        analysis = row["analysis"] or {}
+        b, a = (analysis.get("before") or {}).get("rate"), (analysis.get("after") or {}).get("rate")
+        print(f"{row['node']:14} {row['stage']:>5} {b or float('nan'):>13.1f} {a or float('nan'):>12.1f}")
+        stage = "canary" if row["stage"] == 0 else f"wave {row['stage']}"
+        labels.append(f"{row['node'][:8]}\n{stage}")
+        before.append(b or 0.0)
+        after.append(a or 0.0)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], before, width=0.4, label="before (pin -t 1 -b 8)")
+    ax.bar([x + 0.2 for x in xs], after, width=0.4, label=f"after ({rows[0]['flags']})")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("served tg tok/s (median of 2 requests)")
+    ax.set_title(f"rollout {rollout_id}: served rate per node, from the rollout's records")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.output, dpi=110)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The head's view of serving: what each node serves (asked through Ray), and the config hub
+that joining nodes ask for their chip's config (workers.confighub)."""
+
+from __future__ import annotations
+
+from orchestrator import fleet
+from orchestrator.db import Database, repo
+from workers import confighub
+
+STATUS_TIMEOUT_S = 5.0
+
+
+def node_serving(node_ids: list[str], timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, dict | None]:
+    """Per node: its `fleettune serve` status (None: not serving); unanswered ones: {"health": ...}."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from workers import agent
+
+    remote = ray.remote(agent.serve_status)
+    refs = {remote.options(num_cpus=0, max_retries=0,
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(n): n
+            for n in node_ids}
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    out: dict[str, dict | None] = {}
+    for ref in ready:
+        try:
+            out[refs[ref]] = ray.get(ref)
+        except ray.exceptions.RayError:
+            out[refs[ref]] = {"health": "error"}
+    for ref in late:
+        ray.cancel(ref, force=True)
+        out[refs[ref]] = {"health": "no answer"}
+    return out
+
+
+def _health(status: dict | None) -> str:
+    if status is None:
+        return "-"
+    if "health" in status:
+        return status["health"]
+    if not status.get("fresh"):
+        return "stale"
+    if status.get("switching_to"):
+        return f"switching to v{status['switching_to']}"
+    return "healthy" if status.get("healthy") else "unhealthy"
+
+
+def fleet_rows(db: Database) -> list[dict]:
+    """`fleet status`: every node's state and history, with what it serves (model, config version,
+    health, address)."""
+    nodes = fleet.fleet_status(db)
+    serving = node_serving([n.ray_node_id for n in nodes if n.state in ("idle", "busy")])
+    rows = []
+    for n in nodes:
+        status = serving.get(n.ray_node_id)
+        served = status if status and "health" not in status else {}
+        rows.append({**n.__dict__, "served_model": served.get("model"),
+                     "config_version": served.get("config_version"), "health": _health(status),
+                     "address": served.get("address")})
+    return rows
+
+
+def publish_configs(db: Database) -> int:
+    """Put every chip's current config (per model) in the config hub, creating it on the head."""
+    import ray
+
+    with db.session() as s:
+        configs: dict[str, dict[str, dict]] = {}
+        for model in repo.rolled_out_models(s):
+            for chip, payload in repo.current_chip_configs(s, model).items():
+                configs.setdefault(chip, {})[model] = payload
+    hub = ray.remote(confighub.ConfigHub).options(
+        name=confighub.NAME, namespace=confighub.NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, resources={"node:__internal_head__": 0.001},  # on the head: it outlives workers
+    ).remote()
+    return ray.get(hub.publish.remote(configs), timeout=30)

@@ -1,0 +1,176 @@
+"""The done-when test: three real serving nodes (raylets of the session's Ray cluster, each serving
+SmolLM2 through its own `fleettune serve` on loopback) under a steady, bounded request loop from the
+`openai` client. Recommendations for tg, pp and e2e roll out (judged on served traffic, no spurious
+rollback), one is rolled back by hand, an operator's regression (one thread, batch 1) is detected by
+the canary analysis and rolled back within 60 s of its apply; no request fails, and every node ends
+serving exactly what the rollout history says."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import rollout as ro
+from orchestrator.db import open_database, repo
+from orchestrator.dispatch import BENCH_RESOURCE, CHIP_LABEL
+from orchestrator.studies import StudyConfig
+from orchestrator.tune import tune
+from tests.conftest import wait_until
+from workers import nodeconfig, serve
+from workers.trial import Workload
+
+pytestmark = [pytest.mark.cluster]
+
+FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
+WORKLOAD = Workload(n_prompt=64, n_gen=8, reps=1)
+TOLERANCE = 0.4  # served figures on a shared 2-core machine are noisy; the regression is far beyond it
+
+
+@pytest.fixture(scope="module")
+def serving_fleet(ray_cluster, local_fingerprint, model_path, tmp_path_factory):
+    """The session's real node and two more of its chip, each running `fleettune serve`."""
+    cluster = ray_cluster["cluster"]
+    chip_key = local_fingerprint.chip_key
+    added = [cluster.add_node(num_cpus=1, resources={BENCH_RESOURCE: 1}, labels={CHIP_LABEL: chip_key})
+             for _ in range(2)]
+    cluster.wait_for_nodes()
+    nodes = sorted([ray_cluster["real_node"].node_id, *(n.node_id for n in added)])
+    logs = tmp_path_factory.mktemp("serve-logs")
+    procs = []
+    for node_id in nodes:
+        with open(logs / f"{node_id[:8]}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [FLEETTUNE, "serve", "--model", str(model_path), "--node-id", node_id, "--port", "0",
+                 "--server", "llama-cpp-python"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)))
+    try:
+        statuses = [wait_until(lambda n=n: (s := serve.read_status(n)) and s["healthy"] and s, timeout=180)
+                    for n in nodes]
+        yield chip_key, nodes, statuses
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=120)
+        for node in added:
+            cluster.remove_node(node)
+        for node_id in nodes:
+            nodeconfig.write(node_id, None)
+
+
+class RoundRobinLoop:
+    """One openai client per server, requests in turn (at most ``max_requests``, ``max_s`` seconds)."""
+
+    def __init__(self, statuses: list[dict], max_requests: int = 2000, max_s: float = 900) -> None:
+        from openai import OpenAI
+
+        self.clients = [(OpenAI(base_url=s["address"], api_key="none", max_retries=0, timeout=120), s["model"])
+                        for s in statuses]
+        self.max_requests, self.deadline = max_requests, time.monotonic() + max_s
+        self.ok, self.failures = 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for i in range(self.max_requests):
+            if self._stop.is_set() or time.monotonic() > self.deadline:
+                return
+            client, model = self.clients[i % len(self.clients)]
+            try:
+                client.completions.create(model=model, prompt=f"Request {i}: the weather today is",
+                                          max_tokens=8, temperature=0)
+                self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                self.failures.append(f"{type(exc).__name__}: {exc} ({exc.__cause__!r})")
+
+    def __enter__(self) -> RoundRobinLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=180)
+
+
+@pytest.mark.timeout(1800)  # three real studies and five rollouts on real servers
+def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_fleet, model_info, sqlite_url):
+    chip_key, nodes, statuses = serving_fleet
+    db = open_database(sqlite_url)
+    for objective in ("tg", "pp", "e2e"):
+        tune(db, StudyConfig(model=model_info, objective=objective, n_trials=1, seed=1, confirm_top=1,
+                             workload=WORKLOAD), chip_key=chip_key, warm=False)
+
+    def served_versions():
+        return [serve.read_status(n)["config_version"] for n in nodes]
+
+    def start(objective, pin=None):
+        rollout_id = ro.start(db, model_info, objective=objective, canary_share=0.3, tolerance=TOLERANCE,
+                              pin=pin)
+        rows = ro.status_rows(db, rollout_id)
+        return rollout_id, rows[0]["rollout_state"], rows
+
+    with RoundRobinLoop(statuses) as loop:
+        wait_until(lambda: loop.ok >= 3, timeout=120)
+        promoted = {}
+        for objective in ("tg", "pp", "e2e"):  # each judged in its own objective: no spurious rollback
+            rollout_id, state, rows = start(objective)
+            canary = next(r for r in rows if r["stage"] == 0)
+            assert state == "promoted", rows
+            assert canary["analysis"]["method"] == "served" and canary["analysis"]["objective"] == objective
+            assert canary["analysis"]["canary"]["errors"] == 0 and len(canary["analysis"]["controls"]) == 2
+            wait_until(lambda r=rollout_id: served_versions() == [r] * 3, timeout=180)
+            promoted[objective] = rollout_id
+
+        done = ro.rollback(db, promoted["e2e"])  # by hand: every node back to the pp config
+        assert (done.restored, done.pending) == (3, 0)
+        wait_until(lambda: served_versions() == [promoted["pp"]] * 3, timeout=180)
+
+        regression, state, rows = start("pp", pin="-t 1 -b 1 -ub 1")
+        assert state == "rolled_back", rows
+        canary = next(r for r in rows if r["stage"] == 0)
+        assert "slower by more than" in canary["reason"] or "expected at least" in canary["reason"]
+        assert canary["analysis"]["rate"] < canary["analysis"]["control_rate"] * (1 - TOLERANCE)
+        wait_until(lambda: served_versions() == [promoted["pp"]] * 3, timeout=180)
+        before = loop.ok
+        wait_until(lambda: loop.ok >= before + 3, timeout=120)
+    assert loop.failures == [] and loop.ok > 20
+
+    with db.session() as s:  # detected and rolled back within 60 s of the canary's apply
+        rollout = repo.get_rollout(s, regression)
+        intent_at = min(n.intent_at for n in repo.rollout_nodes(s, regression) if n.intent_at)
+        assert (rollout.updated_at - intent_at).total_seconds() < 60
+        current = repo.current_chip_configs(s, model_info.sha256)[chip_key]
+    assert current["version"] == promoted["pp"]  # what the history says the chip runs ...
+    assert [nodeconfig.read(n) for n in nodes] == [current] * 3  # ... is each node's config
+    assert served_versions() == [current["version"]] * 3  # ... and what each node serves
+    assert all(serve.read_status(n)["params"] == current["params"] for n in nodes)
+
+
+def test_a_node_that_joins_later_serves_its_chips_config(serving_fleet, ray_cluster, model_path, tmp_path):
+    """A fourth node of the chip starts `fleettune serve` with no config: it asks the head's config
+    hub through Ray (published by the rollouts above) and serves the chip's current config."""
+    chip_key, nodes, _ = serving_fleet
+    current = nodeconfig.read(nodes[0])
+    assert current is not None  # the previous test left the chip on a promoted config
+    cluster = ray_cluster["cluster"]
+    joined = cluster.add_node(num_cpus=1, resources={BENCH_RESOURCE: 1}, labels={CHIP_LABEL: chip_key})
+    cluster.wait_for_nodes()
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen([FLEETTUNE, "serve", "--model", str(model_path), "--node-id", joined.node_id,
+                                 "--port", "0", "--server", "llama-cpp-python", "--address", ray_cluster["address"]],
+                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        status = wait_until(lambda: (s := serve.read_status(joined.node_id)) and s["healthy"]
+                            and s["config_version"] == current["version"] and s, timeout=180)
+        assert status["params"] == current["params"] and nodeconfig.read(joined.node_id) == current
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        cluster.remove_node(joined)
+        nodeconfig.write(joined.node_id, None)

@@ -1,0 +1,456 @@
+"""`fleettune serve`: the node's model in a real inference server, with the node's active config.
+
+A supervisor process owns the listening socket (bound once, on the address clients use) and runs
+the server as a child process that inherits it, the way gunicorn, Einhorn and systemd socket
+activation reload without dropping a request:
+
+1. the node's config changes (a rollout wrote ``node-config/<node id>.json``);
+2. a new child starts with the new config on the same inherited socket, loads and warms the model,
+   starts accepting, and says so on its ready pipe;
+3. the old child gets SIGTERM: uvicorn's graceful shutdown stops it accepting, finishes the
+   requests in flight, closes idle keep-alive connections; new connections, and those already
+   queued on the shared socket, are accepted by the new child.
+
+A child that dies is started again; the server answers a health check every few seconds. What the
+supervisor serves (address, model, config version, health) is written to
+``node-config/<node id>.serve.json``, which the head reads through Ray (``agent.serve_status``).
+
+Server kinds share one interface (``ServerKind``): llama-cpp-python's OpenAI-compatible server
+(``create_app`` + ``uvicorn.Server`` on the inherited socket) and llama.cpp's own ``llama-server``
+(same flags; it binds its own port and cannot take a socket, so the supervisor hands it a private
+loopback port and a config change restarts it: not zero-drop, said so in docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers import nodeconfig
+from workers.errors import BadInput
+from workers.trial import BenchParams
+
+DEFAULT_PARAMS = {"n_gpu_layers": 99, "n_threads": 4, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
+                  "n_threads_batch": None}
+HEALTH_EVERY_S = 2.0
+HUB_EVERY_S = 10.0
+STATUS_FRESH_S = 15.0  # a status file older than this: the supervisor is gone
+READY_TIMEOUT_S = 300.0
+N_CTX = 2048
+
+
+def status_path(node_id: str) -> Path:
+    return nodeconfig.path_for(node_id).with_suffix(".serve.json")
+
+
+def read_status(node_id: str) -> dict | None:
+    """What the node's supervisor last said it serves, with ``fresh`` (is it still saying so)."""
+    path = status_path(node_id)
+    try:
+        status = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    status["fresh"] = time.time() - status.get("updated_at", 0) < STATUS_FRESH_S
+    return status
+
+
+def _write_status(node_id: str, status: dict) -> None:
+    path = status_path(node_id)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{node_id}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(status, handle, sort_keys=True)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- server kinds
+
+
+class ServerKind:
+    """How to run one server process with one configuration."""
+
+    name = "?"
+    takes_socket = False  # can it accept on the supervisor's inherited socket
+
+    def argv(self, model_path: str, alias: str, params: BenchParams, *, listen_fd: int | None,
+             ready_fd: int | None, port: int | None) -> list[str]:
+        raise NotImplementedError
+
+
+class LlamaCppPython(ServerKind):
+    """llama-cpp-python's OpenAI-compatible server (extra ``server``), on the inherited socket."""
+
+    name = "llama-cpp-python"
+    takes_socket = True
+
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port):
+        return [sys.executable, "-m", "workers.serve", "--fd", str(listen_fd), "--ready-fd", str(ready_fd),
+                "--model", model_path, "--alias", alias, "--params", json.dumps(params.to_dict())]
+
+
+class LlamaServer(ServerKind):
+    """llama.cpp's ``llama-server`` (Homebrew installs it on Macs), with the same flags."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: str | None = None) -> None:
+        self.binary = binary or shutil.which("llama-server")
+        if not self.binary:
+            raise BadInput("llama-server is not on PATH; use --server llama-cpp-python")
+
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port):
+        argv = [self.binary, "-m", model_path, "--alias", alias, "-ngl", str(params.n_gpu_layers),
+                "-t", str(params.n_threads), "-b", str(params.n_batch), "-ub", str(params.n_ubatch),
+                "-c", str(N_CTX), "--host", "127.0.0.1", "--port", str(port)]
+        if params.n_threads_batch:
+            argv += ["-tb", str(params.n_threads_batch)]
+        if params.flash_attn:
+            argv += ["-fa", "on"]
+        return argv
+
+
+def server_kind(name: str) -> ServerKind:
+    if name == "llama-cpp-python":
+        return LlamaCppPython()
+    if name == "llama-server":
+        return LlamaServer()
+    if name == "auto":
+        return LlamaServer() if shutil.which("llama-server") else LlamaCppPython()
+    raise BadInput(f"unknown server kind {name!r}; choose llama-cpp-python, llama-server or auto")
+
+
+# ---------------------------------------------------------------- supervisor
+
+
+@dataclass
+class Child:
+    proc: subprocess.Popen
+    config: dict | None
+    ready_r: int | None
+    started: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    port: int | None = None
+
+    @property
+    def version(self) -> int:
+        return int(self.config["version"]) if self.config else 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Supervisor:
+    """One node's server: started, restarted when it dies, replaced without a drop on a new config."""
+
+    def __init__(self, node_id: str, model_path: str, model_sha256: str, kind: ServerKind, host: str,
+                 port: int, log_dir: Path | None = None) -> None:
+        nodeconfig.path_for(node_id)  # checks the id
+        self.node_id, self.model_path, self.model_sha256, self.kind = node_id, model_path, model_sha256, kind
+        self.alias = Path(model_path).stem
+        self.sock = socket.create_server((host, port), backlog=256)
+        self.sock.set_inheritable(True)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.log_dir = log_dir or nodeconfig.config_dir()
+        self.current: Child | None = None
+        self.pending: Child | None = None  # a new config's child, until it is ready
+        self.refused: dict | None = None  # a config whose server would not start: not retried
+        self.draining: list[Child] = []
+        self.restarts = 0
+        self.healthy = False
+        self.health_error: str | None = None
+        self._last_health = 0.0
+        self._last_hub = -HUB_EVERY_S
+        self.chip_key: str | None = None  # set when connected to Ray: the hub is asked by chip
+        self._stop = False
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def wanted(self) -> dict | None:
+        """The node's active config, if it is for the model this node serves; a node without one
+        asks the head's config hub for its chip's (through Ray) every HUB_EVERY_S."""
+        config = nodeconfig.read(self.node_id)
+        if config is None and self.chip_key and time.monotonic() - self._last_hub >= HUB_EVERY_S:
+            from workers import confighub
+
+            self._last_hub = time.monotonic()
+            given = confighub.ask(self.chip_key, self.model_sha256)
+            if given is not None:
+                config = nodeconfig.write(self.node_id, given, only_if=[None])["applied"] and given
+        return config if config and config.get("model_sha256") == self.model_sha256 else None
+
+    def _spawn(self, config: dict | None) -> Child:
+        params = BenchParams.from_dict(config["params"] if config else DEFAULT_PARAMS)
+        ready_r, ready_w = os.pipe()
+        port = None if self.kind.takes_socket else (self.port if not self.current else _free_port())
+        argv = self.kind.argv(self.model_path, self.alias, params, listen_fd=self.sock.fileno(), ready_fd=ready_w,
+                              port=port)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f".{self.node_id}.server.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    pass_fds=(self.sock.fileno(), ready_w), start_new_session=True)
+        os.close(ready_w)
+        os.set_blocking(ready_r, False)
+        return Child(proc, config, ready_r, port=port)
+
+    def _check_ready(self, child: Child) -> bool:
+        if child.ready:
+            return True
+        if child.ready_r is not None:
+            with contextlib.suppress(BlockingIOError):
+                if os.read(child.ready_r, 16):
+                    child.ready = True
+        elif self._http_ok(child.port):
+            child.ready = True
+        if child.ready and child.ready_r is not None:
+            os.close(child.ready_r)
+            child.ready_r = None
+        return child.ready
+
+    def _http_ok(self, port: int | None = None) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port or self.port}/v1/models", timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _retire(self, child: Child) -> None:
+        """Stop a child gracefully: it finishes what it is serving, then exits."""
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        if child.ready_r is not None:
+            os.close(child.ready_r)
+            child.ready_r = None
+        self.draining.append(child)
+
+    def step(self) -> None:
+        """One pass: follow the config, replace or restart children, reap drained ones, health."""
+        wanted = self.wanted()
+        live = self.current
+        if live is None or live.proc.poll() is not None:  # never started, or died
+            if live is not None:
+                self.restarts += 1
+            self.current = self._spawn(wanted)
+            self.pending = None
+        elif wanted != live.config and wanted != self.refused and not self.pending:
+            if self.kind.takes_socket:
+                self.pending = self._spawn(wanted)
+            else:  # llama-server cannot share the socket: stop, then start on the same port
+                self._retire(live)
+                live.proc.wait()
+                self.current = self._spawn(wanted)
+        pending = self.pending
+        if pending is not None:
+            if pending.proc.poll() is not None:  # the new config does not start: keep the old one
+                self.refused, self.pending = pending.config, None
+                self.restarts += 1
+            elif self._check_ready(pending):
+                self._retire(self.current)
+                self.current, self.pending = pending, None
+        self._check_ready(self.current)
+        self.draining = [c for c in self.draining if c.proc.poll() is None]
+        now = time.monotonic()
+        if now - self._last_health >= HEALTH_EVERY_S:
+            self._last_health = now
+            self.healthy = self.current.ready and self._http_ok()
+        self.write_status()
+
+    def write_status(self) -> None:
+        child = self.current
+        config = child.config if child else None
+        _write_status(self.node_id, {
+            "address": self.address, "kind": self.kind.name, "model": self.alias,
+            "model_sha256": self.model_sha256, "config_version": config["version"] if config else 0,
+            "params": config["params"] if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
+            "healthy": self.healthy, "restarts": self.restarts, "pid": child.proc.pid if child else None,
+            "supervisor_pid": os.getpid(), "draining": len(self.draining),
+            "switching_to": self.pending.version if self.pending else None,
+            "updated_at": time.time(),
+        })
+
+    def run(self, interval_s: float = 0.25, max_s: float | None = None) -> None:
+        """Supervise until SIGTERM/SIGINT (or ``max_s``); then stop every child gracefully."""
+        def stop(*_):
+            self._stop = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        deadline = time.monotonic() + max_s if max_s else None
+        try:
+            while not self._stop and (deadline is None or time.monotonic() < deadline):
+                self.step()
+                time.sleep(interval_s)  # the supervision period, not synchronisation
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        for child in [self.current, self.pending, *self.draining]:
+            if child is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in [self.current, self.pending, *self.draining]:
+            if child is not None:
+                try:
+                    child.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+        self.sock.close()
+        status_path(self.node_id).unlink(missing_ok=True)
+
+
+def join_ray(address: str | None) -> str:
+    """Connect to the fleet's Ray cluster; the Ray node id of the raylet this process attached to."""
+    import ray
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address or "auto", log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError) as exc:
+            raise BadInput(f"no Ray cluster to serve in ({exc}); start the worker first, or pass --node-id") from None
+    return ray.get_runtime_context().get_node_id()
+
+
+def chip_of(node_id: str) -> str | None:
+    """The node's chip label (what the head's config hub is keyed by)."""
+    import ray
+
+    from workers.join import CHIP_LABEL
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return (node.get("Labels") or {}).get(CHIP_LABEL)
+    return None
+
+
+def serve(model_path: str, *, node_id: str | None = None, server: str = "auto", host: str = "127.0.0.1",
+          port: int = 8080, address: str | None = None, max_s: float | None = None,
+          on_ready=None) -> None:
+    """Serve ``model_path`` on this node with its active config until stopped (``fleettune serve``)."""
+    from workers.models import read_model_info
+
+    info = read_model_info(model_path)
+    kind = server_kind(server)
+    if not 0 <= port <= 65535:
+        raise BadInput(f"port {port}: must be in 0..65535")
+    if node_id is None or address:  # on a fleet node: its raylet's id, and the head's hub to ask
+        attached = join_ray(address)
+        node_id = node_id or attached
+    try:
+        supervisor = Supervisor(node_id, str(Path(model_path).resolve()), info.sha256, kind, host, port)
+    except OSError as exc:
+        raise BadInput(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    import ray
+
+    if ray.is_initialized():
+        supervisor.chip_key = chip_of(node_id)
+    if on_ready:
+        on_ready(supervisor)
+    supervisor.run(max_s=max_s)
+
+
+# ---------------------------------------------------------------- the llama-cpp-python child
+
+
+def child_main(argv: list[str]) -> None:
+    """A llama-cpp-python server on the inherited socket ``--fd``: load and warm the model, start
+    accepting, then write one byte to ``--ready-fd``; SIGTERM drains it (uvicorn's shutdown)."""
+    import argparse
+    import threading
+
+    import uvicorn
+    from llama_cpp.server.app import create_app
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--ready-fd", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--alias", required=True)
+    parser.add_argument("--params", required=True)
+    args = parser.parse_args(argv)
+    from workers.llamacompat import extra_buffers_usable
+
+    if not extra_buffers_usable(args.model):
+        _without_extra_buffer_types()
+    params = BenchParams.from_dict(json.loads(args.params))
+    settings = ModelSettings(model=args.model, model_alias=args.alias, n_gpu_layers=params.n_gpu_layers,
+                             n_threads=params.n_threads, n_threads_batch=params.n_threads_batch or params.n_threads,
+                             n_batch=params.n_batch, n_ubatch=params.n_ubatch, flash_attn=params.flash_attn,
+                             n_ctx=N_CTX, verbose=False)
+    app = create_app(server_settings=ServerSettings(), model_settings=[settings])
+    _warm(args.alias)
+    sock = socket.socket(fileno=args.fd)
+    server = uvicorn.Server(uvicorn.Config(_connection_close(app), log_level="warning",
+                                           timeout_graceful_shutdown=120))
+
+    def tell_ready() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)  # polling uvicorn's started flag
+        if server.started:
+            os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
+
+    threading.Thread(target=tell_ready, daemon=True).start()
+    server.run(sockets=[sock])
+
+
+def _connection_close(app):
+    """Every response says ``Connection: close``, so no client holds an idle keep-alive connection
+    to a server that is being retired (a request sent on one just as the server closes it is
+    reset: the one failure seen without this). A new loopback connection per request costs far
+    less than one generated token."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_closing(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return await app(scope, receive, send_closing)
+
+    return wrapped
+
+
+def _without_extra_buffer_types() -> None:
+    """Load models without llama.cpp's extra CPU buffer types, where they crash (workers.llamacompat):
+    llama-cpp-python's ``Llama`` has no setting for it, so the model parameters' default changes."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_cpp.llama_model_default_params
+
+    def without():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = without
+
+
+def _warm(alias: str) -> None:
+    """One short completion before the server accepts anything, so its first request is not slow."""
+    from llama_cpp.server import app as server_app
+
+    proxy = getattr(server_app, "_llama_proxy", None)
+    if proxy is not None:
+        proxy(alias).create_completion("Hello", max_tokens=2)
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])
