@@ -366,7 +366,8 @@ def child_main(argv: list[str]) -> int:
     spec = _spec_from_json(Path(args.spec_path).read_text())
     try:
         reason = model_changed(spec)
-        result = TrialResult.failure(spec.trial_key, reason) if reason else _run_child(spec)
+        result = TrialResult.failure(spec.trial_key, reason, FailureKind.MODEL_CHANGED) if reason \
+            else _run_child(spec)
     except Exception as exc:  # reported to the parent as the trial's reason
         result = TrialResult.failure(spec.trial_key, str(exc))
     Path(args.result_path).write_text(json.dumps(result.to_dict()))
@@ -381,6 +382,9 @@ def _describe_exit(returncode: int, stderr: str) -> tuple[str, FailureKind]:
         sig = signal.Signals(-returncode).name
         if sig == "SIGKILL":
             return "killed by SIGKILL (out of memory?)", FailureKind.OUT_OF_MEMORY
+        if sig == "SIGILL":  # a build for another CPU, or llama.cpp's AMX kernels (see install.sh)
+            return "llama.cpp crashed (SIGILL: an instruction this CPU refuses; rebuild llama-cpp-python, " \
+                   "see install.sh)", FailureKind.CRASH
         return f"llama.cpp crashed ({sig})", FailureKind.CRASH
     tail = [line for line in stderr.strip().splitlines() if line.strip()]
     return f"measuring process exited with {returncode}" + (f": {tail[-1]}" if tail else ""), FailureKind.CRASH
@@ -503,8 +507,8 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) 
                     started_at=started, finished_at=time.time(),
                 )
             except Abandoned as stopped:
-                return TrialResult.failure(spec.trial_key, str(stopped), started_at=started,
-                                           finished_at=time.time())
+                return TrialResult.failure(spec.trial_key, str(stopped), FailureKind.INTERRUPTED,
+                                           started_at=started, finished_at=time.time())
             finally:
                 _kill_group(proc)
                 os.close(write_end)

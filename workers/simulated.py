@@ -40,7 +40,7 @@ import numpy as np
 from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint, apple_bins, chip_table
 from workers.models import ARCH_SHAPES, QUANT_BPW, ModelShape
-from workers.trial import BenchParams, Sample, TrialResult, Workload
+from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
 
 # Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
 GPU_CLOCK_GHZ = {"M1": 1.278, "M2": 1.398, "M3": 1.38, "M4": 1.578}
@@ -443,17 +443,17 @@ class SimulatedNode:
         if not is_sim_model(spec.model_path) and not Path(spec.model_path).is_file():
             return TrialResult.failure(
                 spec.trial_key, f"model not on node ({spec.model_path}); run `fleettune model push`",
-                simulated=True,
+                FailureKind.MODEL_MISSING, simulated=True,
             )
         try:
             shape = self.shape_for(spec.model_path) if self.shape_for else model_shape("llama2-7b", "q4_0")
         except BadInput as exc:
-            return TrialResult.failure(spec.trial_key, str(exc), simulated=True)
+            return TrialResult.failure(spec.trial_key, str(exc), FailureKind.BAD_CONFIG, simulated=True)
         w: Workload = spec.workload
         pred = predict(self.chip, shape, spec.params, w.n_prompt, w.n_gen, self.scenario)
         if not pred.fits:
-            return TrialResult.failure(spec.trial_key, pred.reason, simulated=True, started_at=started,
-                                       finished_at=time.time())
+            return TrialResult.failure(spec.trial_key, pred.reason, FailureKind.OUT_OF_MEMORY, simulated=True,
+                                       started_at=started, finished_at=time.time())
         rng = random.Random(f"{self.seed}:{spec.trial_key}:{spec.params}")
         throttle = self.THROTTLE_FACTOR if (fanless(self.chip) and self.heat > self.THROTTLE_AFTER_S) else 1.0
         samples, sim_seconds = [], shape.file_bytes / 5e9  # load from SSD at ~5 GB/s

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Create .venv and install fleettune with everything its tests and tools use.
+#
+# llama-cpp-python is built from source by pip (about 8 minutes on 2 cores, cached afterwards).
+# On Linux x86 hosts with AMX (Intel Xeon 4th generation and later), the AMX kernels of the
+# llama.cpp that llama-cpp-python 0.3.36 vendors crash prompt processing with SIGILL, so there it is
+# built once without them (-mno-amx-*), into a wheel kept under ~/.cache/fleettune; Macs and other
+# hosts get pip's ordinary build.
+set -eu
+cd "$(dirname "$0")"
+python3 -m venv .venv
+LLAMA_VERSION=0.3.36
+if [ "$(uname -s)" = Linux ] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/fleettune/wheels-no-amx"
+    if ! ls "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
+        flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        CMAKE_ARGS="-DCMAKE_C_FLAGS='$flags' -DCMAKE_CXX_FLAGS='$flags'" \
+            .venv/bin/pip wheel -q --no-deps --no-cache-dir -w "$wheels" "llama-cpp-python==$LLAMA_VERSION"
+    fi
+    .venv/bin/pip install -q --no-deps --force-reinstall "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+fi
+.venv/bin/pip install -q -e '.[dev,postgres]'
