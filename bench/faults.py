@@ -166,6 +166,7 @@ class Tally:
     phases: Counter = field(default_factory=Counter)
     pause_s: list[float] = field(default_factory=list)
     paused: int = 0  # signals that paused a study (the rest came after it had ended)
+    harness_errors: list[str] = field(default_factory=list)  # a fault group that could not run
 
     def add(self, other: Tally) -> None:
         self.faults += other.faults
@@ -496,22 +497,31 @@ def run(args) -> Tally:
 
         open_database(url).dispose()  # the schema, before drivers race to create it
         h = Harness(url, seed=args.seed, env=env, trials=args.trials)
-        h.kills(args.kills)
-        h.signals(args.signals)
-        h.signals(max(args.signals // 3, 1), chips=3)
-        h.two_drivers(args.races)
-        h.same_name(args.races)
+
+        def db_faults() -> None:
+            for i in range(args.db_faults):
+                if args.db == "sqlite":
+                    long_lock = i % 2 == 1
+                    sqlite_lock(h, args.retry_s + 2 if long_lock else 2.0, "SQLite locked past the retry window"
+                                if long_lock else "SQLite locked past busy timeout")
+                else:
+                    long_outage = i % 2 == 1
+                    pg_restart(h, server, down_s=args.retry_s + 3 if long_outage else 0,
+                               kind="PostgreSQL stopped past the retry window" if long_outage
+                               else "PostgreSQL restart")
+
+        groups = [lambda: h.kills(args.kills), lambda: h.signals(args.signals),
+                  lambda: h.signals(max(args.signals // 3, 1), chips=3), lambda: h.two_drivers(args.races),
+                  lambda: h.same_name(args.races), db_faults]
         if args.node_losses:
-            node_losses(h, args.node_losses)
-        for i in range(args.db_faults):
-            if args.db == "sqlite":
-                long_lock = i % 2 == 1
-                sqlite_lock(h, args.retry_s + 2 if long_lock else 2.0,
-                            "SQLite locked past the retry window" if long_lock else "SQLite locked past busy timeout")
-            else:
-                long_outage = i % 2 == 1
-                pg_restart(h, server, down_s=args.retry_s + 3 if long_outage else 0,
-                           kind="PostgreSQL stopped past the retry window" if long_outage else "PostgreSQL restart")
+            groups.append(lambda: node_losses(h, args.node_losses))
+        for group in groups:
+            try:
+                group()
+            except Exception as exc:  # noqa: BLE001 - the harness's own failure, reported, not hidden
+                h.tally.harness_errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            if args.progress:  # what is known so far, in case a later group cannot finish
+                Path(args.progress).write_text(report(h.tally, args.db))
         return h.tally
     finally:
         if server:
@@ -534,6 +544,8 @@ def report(tally: Tally, backend: str) -> str:
                      f"ended); signal to exit: median {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
     for problem in tally.problems:
         lines.append(f"PROBLEM: {problem}")
+    for error in tally.harness_errors:
+        lines.append(f"harness error (a fault group did not complete; not an invariant): {error}")
     return "\n".join(lines)
 
 
@@ -560,6 +572,7 @@ def main() -> int:
     r.add_argument("--trials", type=int, default=24)
     r.add_argument("--retry-s", type=float, default=4.0)
     r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--progress", help="file the report so far is written to after each group of faults")
     args = parser.parse_args()
     if args.cmd == "drive":
         return drive(args)
