@@ -184,24 +184,35 @@ def marked_node(request, ray_cluster):
     cluster.wait_for_nodes()
     yield {"node": node, "chip": chip, "marker": marker}
     with contextlib.suppress(Exception):
-        cluster.remove_node(node, allow_graceful=False)
+        cluster.remove_node(node, allow_graceful=True)  # a forced removal is reported later, into another test
 
 
-def raylet_pid(node) -> int:
+def kill_raylet(node, capsys) -> None:
+    """SIGKILL a node's raylet; then wait for Ray's two reports of it ("Raylet is terminated", and
+    the node "marked dead" once its health checks failed), which this session's driver prints to
+    stdout, so that they land in this test, not in the output of a later one that parses it."""
     from ray._private import ray_constants
 
-    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    os.kill(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid, signal.SIGKILL)
+    printed: list[str] = []
+
+    def reported() -> bool:
+        printed.append(capsys.readouterr().out)
+        text = "".join(printed)
+        return "Raylet is terminated" in text and f"node id: {node.node_id}" in text
+
+    wait_until(reported, timeout=60, interval=0.05)
 
 
 @pytest.mark.cluster
-def test_a_killed_raylet_leaves_no_measurement(marked_node, model_info):
+def test_a_killed_raylet_leaves_no_measurement(marked_node, model_info, capsys):
     from orchestrator.dispatch import Dispatcher
 
     marker = marked_node["marker"]
     dispatcher = Dispatcher()
     ref = dispatcher.submit(long_spec(model_info, "raylet-" + marker[:8]), marked_node["chip"])
     wait_until(lambda: loaded(marker), timeout=120)
-    os.kill(raylet_pid(marked_node["node"]), signal.SIGKILL)
+    kill_raylet(marked_node["node"], capsys)
     assert_none_left(marker)
     assert dispatcher.result(ref, "k").error == "node lost"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import signal
 import threading
 import uuid
 from pathlib import Path
@@ -85,10 +84,9 @@ def test_a_copy_that_does_not_verify_is_not_renamed(tmp_path):
 
 
 @pytest.mark.cluster
-def test_a_node_killed_mid_push_is_that_nodes_error(ray_cluster, tmp_path):
-    from ray._private import ray_constants
-
+def test_a_node_killed_mid_push_is_that_nodes_error(ray_cluster, tmp_path, capsys):
     from orchestrator.dispatch import BENCH_RESOURCE, CHIP_LABEL
+    from tests.test_orphans import kill_raylet
 
     cluster = ray_cluster["cluster"]
     chip = f"push-test-{uuid.uuid4().hex[:8]}"
@@ -112,7 +110,7 @@ def test_a_node_killed_mid_push_is_that_nodes_error(ray_cluster, tmp_path):
                    timeout=120, interval=0.01)
         partial = leftovers(dest_dir)
         assert partial and all(p.stat().st_size < source.stat().st_size for p in partial)
-        os.kill(victim.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid, signal.SIGKILL)
+        kill_raylet(victim, capsys)
         pusher.join(timeout=300)
         assert not pusher.is_alive()
         assert result == {victim.node_id: "failed: node lost", survivor.node_id: "copied"}
@@ -121,4 +119,4 @@ def test_a_node_killed_mid_push_is_that_nodes_error(ray_cluster, tmp_path):
     finally:
         for node in (victim, survivor):
             with contextlib.suppress(Exception):
-                cluster.remove_node(node, allow_graceful=False)
+                cluster.remove_node(node, allow_graceful=True)  # a forced removal is reported later, into another test
