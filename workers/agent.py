@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from workers import bench
 from workers.hardware import fingerprint_live
-from workers.trial import TrialResult, TrialSpec
+from workers.trial import FailureKind, TrialResult, TrialSpec
 
 HOSTNAME_LABEL = "fleettune.io/hostname"  # optional: a name to show instead of the OS hostname
 SIMULATE_LABEL = "fleettune.io/simulate"  # value: a chip bin as "M2_Ultra.76.192"
@@ -23,7 +23,7 @@ TIME_SCALE_LABEL = "fleettune.io/time-scale"
 SPEED_LABEL = "fleettune.io/speed"  # a simulated node's speed relative to its chip (a degraded Mac)
 TRIAL_S_LABEL = "fleettune.io/trial-s"  # a simulated node whose every trial takes this many seconds
 
-NODE_LOST = "node lost"  # the failure reason of a trial whose node left the cluster
+NODE_LOST = FailureKind.NODE_LOST.value  # the failure reason of a trial whose node left the cluster
 
 _simulated_nodes: dict = {}  # per node id: its simulated Mac (keeps heat between trials)
 

@@ -506,9 +506,11 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) 
                     spec.trial_key, f"timed out after {spec.timeout_s:g}s", FailureKind.TIMEOUT,
                     started_at=started, finished_at=time.time(),
                 )
-            except Abandoned as stopped:
-                return TrialResult.failure(spec.trial_key, str(stopped), FailureKind.INTERRUPTED,
-                                           started_at=started, finished_at=time.time())
+            except Abandoned as stopped:  # its reason is a FailureKind's value (e.g. "node lost")
+                reason = str(stopped)
+                kind = next((k for k in FailureKind if k.value == reason), FailureKind.INTERRUPTED)
+                return TrialResult.failure(spec.trial_key, reason, kind, started_at=started,
+                                           finished_at=time.time())
             finally:
                 _kill_group(proc)
                 os.close(write_end)
