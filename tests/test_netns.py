@@ -20,6 +20,7 @@ import signal
 import sqlite3
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,8 @@ ADDRESS = f"{HEAD_ADDR}:{PORT}"
 # 5 min) and gives up on it 10 s later (Ray's default: 60 s).
 HEAD_RAY_ENV = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "5000",
                 "RAY_health_check_failure_threshold": "4"}
-WORKER_RAY_ENV = {"RAY_gcs_rpc_server_reconnect_timeout_s": "10", "RAY_grpc_client_keepalive_time_ms": "2000",
-                  "RAY_grpc_client_keepalive_timeout_ms": "2000"}
+KEEPALIVE_ENV = {"RAY_grpc_client_keepalive_time_ms": "2000", "RAY_grpc_client_keepalive_timeout_ms": "2000"}
+WORKER_RAY_ENV = {"RAY_gcs_rpc_server_reconnect_timeout_s": "10", **KEEPALIVE_ENV}
 # Ray 2.x binds its C++ gRPC servers (GCS, raylet node manager and object manager, and the one in
 # every worker and driver process) to 0.0.0.0 unless the node address is loopback
 # (src/ray/rpc/grpc_server.cc: listen_to_localhost_only ? 127.0.0.1 : 0.0.0.0); docs/security.md.
@@ -63,8 +64,9 @@ def fleettune(host, *args, env=None, timeout=240):
 
 
 def head_env(head) -> dict:
-    """The environment of a command run on the head's host: its token file named by env."""
-    return head.env(FLEETTUNE_RAY_TOKEN_FILE=str(head.root / "secret" / "ray_token"))
+    """The environment of a command run on the head's host: its token file named by env, and
+    gRPC keepalive so that a driver notices a worker gone silent mid-trial (Ray's default: 5 min)."""
+    return head.env(FLEETTUNE_RAY_TOKEN_FILE=str(head.root / "secret" / "ray_token"), **KEEPALIVE_ENV)
 
 
 def ray_processes(host) -> dict[int, str]:
@@ -302,10 +304,19 @@ def test_a_worker_cut_off_mid_trial_is_measured_elsewhere_then_rejoins(fleet, la
     assert [r[0] for r in redone] == ["w2"], rows  # measured again, on the other M2 Ultra
     assert sum(r[1] == "complete" for r in rows) == 8
     # plugged back: the cut-off raylet learns it was declared dead and exits; a restart rejoins
+    print(f"{time.strftime('%X')} study done; waiting for w3's old raylet", flush=True)
     wait_for(lambda: not any("raylet" in c for c in ray_processes(w3).values()), 90, "w3's old raylet exiting")
+    print(f"{time.strftime('%X')} rejoining w3", flush=True)
     w3.kill_all()  # what is left of its old session (its service manager would restart it)
     join(w3, w3.root / "ray_token", "--simulate", SIM_CHIP, "--time-scale", SIM_TIME_SCALE)
-    fleettune(head, *study[:-len(TUNE) - 2], "--study", "after", *TUNE, "--trials", "4", "--seed", "2")
+    after = head.spawn(FLEETTUNE, *study[:-len(TUNE) - 2], "--study", "after", *TUNE, "--trials", "4",
+                       "--seed", "2", env=head_env(head), log=head.root / "after.log")
+    try:
+        assert after.wait(timeout=300) == 0, (head.root / "after.log").read_text()[-3000:]
+    finally:
+        if after.poll() is None:
+            after.kill()
+            print((head.root / "after.log").read_text()[-5000:])
     hosts = {h for h, state, _, _ in trials(db, "after") if state == "complete"}
     assert hosts == {"w2", "w3"}
 
