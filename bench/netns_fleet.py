@@ -97,7 +97,7 @@ def auth(lan: Lan, token_file: Path, rounds: int) -> dict:
                                                                         "control_served": 0})
             entry["attempts"] += 2
             entry["refused"] += (r.get("none") in REFUSED) + (r.get("wrong") in REFUSED)
-            entry["control_served"] += r.get("right") not in REFUSED
+            entry["control_served"] += r.get("right") not in REFUSED | {"not sent"}
     return per_port
 
 
