@@ -111,7 +111,7 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
 
     def start(objective, pin=None):
         rollout_id = ro.start(db, model_info, objective=objective, canary_share=0.3, tolerance=TOLERANCE,
-                              pin=pin)
+                              pin=pin, on_step=print)  # shown by pytest when the test fails
         rows = ro.status_rows(db, rollout_id)
         return rollout_id, rows[0]["rollout_state"], rows
 
@@ -121,7 +121,7 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
         for objective in ("tg", "pp", "e2e"):  # each judged in its own objective: no spurious rollback
             rollout_id, state, rows = start(objective)
             canary = next(r for r in rows if r["stage"] == 0)
-            assert state == "promoted", rows
+            assert state == "promoted", [(r["state"], r["reason"], r["analysis"]) for r in rows]
             assert canary["analysis"]["method"] == "served" and canary["analysis"]["objective"] == objective
             assert canary["analysis"]["canary"]["errors"] == 0 and len(canary["analysis"]["controls"]) == 2
             wait_until(lambda r=rollout_id: served_versions() == [r] * 3, timeout=180)
@@ -132,7 +132,7 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
         wait_until(lambda: served_versions() == [promoted["pp"]] * 3, timeout=180)
 
         regression, state, rows = start("pp", pin="-t 1 -b 1 -ub 1")
-        assert state == "rolled_back", rows
+        assert state == "rolled_back", [(r["state"], r["reason"], r["analysis"]) for r in rows]
         canary = next(r for r in rows if r["stage"] == 0)
         assert "slower by more than" in canary["reason"] or "expected at least" in canary["reason"]
         assert canary["analysis"]["rate"] < canary["analysis"]["control_rate"] * (1 - TOLERANCE)

@@ -1,11 +1,13 @@
 """Served-traffic probe: a fixed prompt set sent to a node's own server through its OpenAI API.
 
 Runs on the node (a Ray task pinned to it) against the server on the node's loopback address, so
-the canary analysis measures what clients get: per request, time to first token, generated tokens
-and the rates that follow (prompt tokens over time to first token, generated tokens after the
-first over the rest of the time), and whether it failed. Streaming completions give the time to
-first token; each streamed chunk is one generated token (llama-cpp-python and llama-server both
-stream token by token).
+the canary analysis measures what clients get. Each sample is two plain completions of the same
+prompt: one of a single token (its time is the time to first token: the prompt processed and one
+token made) and one of the workload's generated tokens (its time is the whole request); the
+server's own ``usage`` counts the tokens. Prompt rate: prompt tokens over the time to first token;
+generation rate: the tokens after the first over the rest of the time. (Streamed completions were
+tried first: llama-cpp-python 0.3.36 ends a stream after its first chunk for these prompts while the
+same request unstreamed generates every token, so streaming cannot count tokens here.)
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from urllib.parse import urlparse
 
 def prompt_of(n_tokens: int, seed: int) -> str:
     """A fixed prompt of about ``n_tokens`` tokens: a count ("101, 102, 103,"), which a model goes
-    on counting rather than stopping early, so the requested tokens are generated (a number and
-    its comma are about two tokens)."""
+    on counting rather than stopping early (a 3-digit number, its comma and space: about 5 tokens)."""
     start = 100 * (seed + 1)
-    return ", ".join(str(start + i) for i in range(max(1, n_tokens // 2))) + ","
+    return ", ".join(str(start + i) for i in range(max(1, n_tokens // 5))) + ","
 
 
 @dataclass(frozen=True)
@@ -32,40 +33,37 @@ class RequestResult:
     ttft_s: float | None = None
     total_s: float | None = None
     n_gen: int = 0
-    config_version: int | None = None
+    n_prompt: int = 0
     error: str | None = None
 
 
-def complete(address: str, model: str, prompt: str, n_gen: int, timeout_s: float = 120) -> RequestResult:
-    """One streamed completion; its timings, or why it failed."""
+def _post(address: str, body: dict, timeout_s: float) -> tuple[float, dict]:
     url = urlparse(address)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n_gen, "stream": True,
-                       "temperature": 0.0, "seed": 1}).encode()
     started = time.perf_counter()
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     try:
-        conn.request("POST", url.path.rstrip("/") + "/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", url.path.rstrip("/") + "/completions", json.dumps(body).encode(),
+                     {"Content-Type": "application/json"})
         response = conn.getresponse()
+        data = response.read()
         if response.status != 200:
-            return RequestResult(False, error=f"HTTP {response.status}: {response.read(200)!r}")
-        first = None
-        chunks = 0
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                chunks += 1
-                first = first or time.perf_counter()
-        total = time.perf_counter() - started
-        if first is None:
-            return RequestResult(False, total_s=total, error="no token came back")
-        return RequestResult(True, ttft_s=first - started, total_s=total, n_gen=chunks)
-    except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
-        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+            raise http.client.HTTPException(f"HTTP {response.status}: {data[:200]!r}")
+        return time.perf_counter() - started, json.loads(data)
     finally:
         conn.close()
+
+
+def complete(address: str, model: str, prompt: str, n_gen: int, timeout_s: float = 120) -> RequestResult:
+    """One sample (a one-token request, then the full one); its timings, or why it failed."""
+    body = {"model": model, "prompt": prompt, "temperature": 0.0, "seed": 1}
+    try:
+        first_s, _ = _post(address, {**body, "max_tokens": 1}, timeout_s)
+        total_s, full = _post(address, {**body, "max_tokens": max(1, n_gen)}, timeout_s)
+    except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+    usage = full.get("usage") or {}
+    return RequestResult(True, ttft_s=first_s, total_s=total_s, n_gen=int(usage.get("completion_tokens", 0)),
+                         n_prompt=int(usage.get("prompt_tokens", 0)))
 
 
 def summarise(results: list[RequestResult], n_prompt: int) -> dict:
@@ -76,7 +74,7 @@ def summarise(results: list[RequestResult], n_prompt: int) -> dict:
            "ttft_s": None, "pp_tps": None, "tg_tps": None, "n_gen": None}
     if good:
         out["ttft_s"] = statistics.median(r.ttft_s for r in good)
-        out["pp_tps"] = statistics.median(n_prompt / r.ttft_s for r in good)
+        out["pp_tps"] = statistics.median((r.n_prompt or n_prompt) / r.ttft_s for r in good)
         tg = [(r.n_gen - 1) / (r.total_s - r.ttft_s) for r in good if r.n_gen > 1 and r.total_s > r.ttft_s]
         out["tg_tps"] = statistics.median(tg) if tg else None
         out["n_gen"] = statistics.median(r.n_gen for r in good)
