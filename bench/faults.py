@@ -282,21 +282,52 @@ class Harness:
 
     # -- the faults
 
+    def newest_row(self, study: str) -> tuple[int, str]:
+        """The id and phase of the study's newest trial row ((0, "setup") before the first)."""
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                row = conn.execute(text(
+                    "select t.id, t.phase from ft_trials t join ft_studies s on s.id = t.study_id "
+                    "where s.name like :n order by t.id desc limit 1"), {"n": study + "%"}).first()
+        except Exception:  # noqa: BLE001 - the schema may not exist yet
+            return 0, "setup"
+        finally:
+            engine.dispose()
+        return (0, "setup") if row is None else (row[0], row[1])
+
+    PHASES = ("setup", "baseline", "search", "confirm")
+
     def kills(self, count: int, per_study: int = 3) -> None:
-        """SIGKILL of the driver at random instants spread over a study, then --resume."""
+        """SIGKILL of the driver at instants spread over every phase (while it starts, measures the
+        baseline, searches, confirms), a few per study, then --resume to the end."""
         done = 0
         while done < count:
             study = f"kill-{uuid.uuid4().hex[:6]}"
             for _ in range(min(per_study, count - done)):
+                target = self.rng.choice(("setup", "baseline", "search", "search", "search", "confirm"))
+                start_id, _ = self.newest_row(study)
                 proc = self.start(study, resume=self.exists(study))
-                # anywhere from the first import to the end of the confirmation
-                deadline = time.monotonic() + self.rng.uniform(1.0, 5.0)
-                while proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.01)  # a random instant to kill at, not a synchronisation
+                if target == "setup":
+                    deadline = time.monotonic() + self.rng.uniform(0.3, 3.0)
+                    while proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.01)  # a random instant to kill at, not a synchronisation
+                else:  # once this driver has written a row of the target phase (or a later one)
+                    while proc.poll() is None:
+                        row_id, phase = self.newest_row(study)
+                        if row_id > start_id and self.PHASES.index(phase) >= self.PHASES.index(target):
+                            break
+                        time.sleep(0.01)  # polling the database for the phase
+                    deadline = time.monotonic() + self.rng.uniform(0.0, 0.2)
+                    while proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.005)  # a random instant inside the phase
                 if proc.poll() is not None:  # finished before the instant: no fault injected
                     self.finish(proc)
                     continue
-                self.tally.phases[self.phase_now(study)] += 1
+                row_id, phase = self.newest_row(study)
+                self.tally.phases[phase if row_id > start_id else "setup"] += 1
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 self.tally.faults["SIGKILL driver"] += 1
