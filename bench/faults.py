@@ -209,44 +209,45 @@ class Harness:
         text = out if proc.returncode == EXIT_OK else err
         return proc.returncode, (text.strip().splitlines() or [""])[-1]
 
-    def phase_now(self, study: str) -> str:
-        """The phase the study's newest trial row is in (what a kill at this instant interrupts)."""
+    def _rows(self, sql: str, study: str) -> list:
+        """Rows of a query about the study (and its per-chip siblings); none before the schema."""
         from sqlalchemy import create_engine, text
 
         engine = create_engine(self.url)
         try:
             with engine.connect() as conn:
-                row = conn.execute(text(
-                    "select t.phase, t.state from ft_trials t join ft_studies s on s.id = t.study_id "
-                    "where s.name like :n order by t.id desc limit 1"), {"n": study + "%"}).first()
+                return list(conn.execute(text(sql), {"n": study + "%"}))
         except Exception:  # noqa: BLE001 - the schema may not exist yet
-            return "setup"
+            return []
         finally:
             engine.dispose()
-        return "setup" if row is None else f"{row[0]}"
+
+    def newest_row(self, study: str) -> tuple[int, str]:
+        """The id and phase of the study's newest trial row ((0, "setup") before the first)."""
+        rows = self._rows("select t.id, t.phase from ft_trials t join ft_studies s on s.id = t.study_id "
+                          "where s.name like :n order by t.id desc limit 1", study)
+        return (rows[0][0], rows[0][1]) if rows else (0, "setup")
+
+    def phase_now(self, study: str) -> str:
+        """The phase the study's newest trial row is in (what a fault at this instant interrupts)."""
+        return self.newest_row(study)[1]
 
     def exists(self, study: str) -> bool:
-        from sqlalchemy import create_engine, text
-
-        engine = create_engine(self.url)
-        try:
-            with engine.connect() as conn:
-                return conn.execute(text("select count(*) from ft_studies where name like :n"),
-                                    {"n": study + "%"}).scalar() > 0
-        finally:
-            engine.dispose()
+        return bool(self._rows("select id from ft_studies where name like :n", study))
 
     def all_complete(self, study: str, chips: int | None = None) -> bool:
-        from sqlalchemy import create_engine, text
-
-        engine = create_engine(self.url)
-        try:
-            with engine.connect() as conn:
-                states = conn.execute(text("select state from ft_studies where name like :n"),
-                                      {"n": study + "%"}).scalars().all()
-        finally:
-            engine.dispose()
+        states = [r[0] for r in self._rows("select state from ft_studies where name like :n", study)]
         return len(states) == (chips or self.chips) and set(states) == {"complete"}
+
+    def settle(self, proc: subprocess.Popen, study: str, kind: str) -> int:
+        """After a database fault: the driver went on (0) or paused (3, then resumed); audited."""
+        code, line = self.finish(proc)
+        if code not in (EXIT_OK, EXIT_PAUSED):
+            self.tally.problems.append(f"{kind} {study}: exit {code}: {line}")
+        if code == EXIT_PAUSED:
+            self.resume_to_end(study)
+        self.audit([study], kind)
+        return code
 
     def resume_to_end(self, study: str, chips: int | None = None, attempts: int = 5) -> int:
         """Resume the study until it completes (start it, if a fault came before it existed)."""
@@ -281,22 +282,6 @@ class Harness:
         return [f"{study}-{i}" for i in range(n)] if n > 1 else [study]
 
     # -- the faults
-
-    def newest_row(self, study: str) -> tuple[int, str]:
-        """The id and phase of the study's newest trial row ((0, "setup") before the first)."""
-        from sqlalchemy import create_engine, text
-
-        engine = create_engine(self.url)
-        try:
-            with engine.connect() as conn:
-                row = conn.execute(text(
-                    "select t.id, t.phase from ft_trials t join ft_studies s on s.id = t.study_id "
-                    "where s.name like :n order by t.id desc limit 1"), {"n": study + "%"}).first()
-        except Exception:  # noqa: BLE001 - the schema may not exist yet
-            return 0, "setup"
-        finally:
-            engine.dispose()
-        return (0, "setup") if row is None else (row[0], row[1])
 
     PHASES = ("setup", "baseline", "search", "confirm")
 
@@ -398,7 +383,7 @@ class Harness:
             self.audit(sorted(set(names)), "two new studies, one name")
 
 
-def sqlite_lock(h: Harness, hold_s: float, kind: str) -> None:
+def sqlite_lock(h: Harness, hold_s: float, kind: str) -> int:
     """Another process holds the SQLite file's write lock for ``hold_s`` seconds mid-study."""
     path = h.url.removeprefix("sqlite:///")
     study = f"lock-{uuid.uuid4().hex[:6]}"
@@ -415,12 +400,7 @@ def sqlite_lock(h: Harness, hold_s: float, kind: str) -> None:
     locker.stdout.readline()
     h.tally.faults[kind] += 1
     locker.wait()
-    code, line = h.finish(proc)
-    if code not in (EXIT_OK, EXIT_PAUSED):
-        h.tally.problems.append(f"{kind} {study}: exit {code}: {line}")
-    if code == EXIT_PAUSED:
-        h.resume_to_end(study)
-    h.audit([study], kind)
+    return h.settle(proc, study, kind)
 
 
 def pg_restart(h: Harness, server: PrivatePostgres, *, down_s: float, kind: str) -> int:
@@ -438,13 +418,7 @@ def pg_restart(h: Harness, server: PrivatePostgres, *, down_s: float, kind: str)
     else:
         server.restart()
     h.tally.faults[kind] += 1
-    code, line = h.finish(proc)
-    if code not in (EXIT_OK, EXIT_PAUSED):
-        h.tally.problems.append(f"{kind} {study}: exit {code}: {line}")
-    if code == EXIT_PAUSED:
-        h.resume_to_end(study)
-    h.audit([study], kind)
-    return code
+    return h.settle(proc, study, kind)
 
 
 def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
