@@ -384,10 +384,13 @@ class StudyRunner:
         cfg.validate()
         validate_params(self.baseline, fp, cfg.model)
         space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt)
-        # one transaction, retried whole when the database is busy (another driver creating a
-        # study at the same instant: SQLite refuses a stale writer, PostgreSQL may be restarting)
-        existing = retrying(lambda: self._study_rows(space))
-        self.optuna_study = self._optuna_study()
+        # one transaction, retried whole when the database is busy or another driver created the
+        # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
+        # duplicate key; the next attempt finds the row)
+        existing = retrying(lambda: self._study_rows(space), conflicts=True)
+        # Optuna creates its own tables on a database's first use: two drivers starting at once
+        # race to stamp its version (a duplicate key for one of them); the second attempt finds it
+        self.optuna_study = retrying(self._optuna_study, conflicts=True)
         if existing is None and self.sampler != "grid":  # a grid covers it all
             self._enqueue_starts()
         self._reconcile_optuna()

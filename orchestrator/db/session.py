@@ -35,16 +35,20 @@ class DatabaseUnavailable(Exception):
     """The database did not answer within the retry window."""
 
 
-def is_transient(exc: BaseException) -> bool:
-    """A failure that a later attempt may not meet: a lost connection, a restart, a lock."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+def is_transient(exc: BaseException, conflicts: bool = False) -> bool:
+    """A failure that a later attempt may not meet: a lost connection, a restart, a lock; with
+    ``conflicts``, also a unique row another writer inserted first (the next attempt reads it)."""
+    from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
     if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    if conflicts and isinstance(exc, IntegrityError):
         return True
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
-def retrying(attempt, *, window_s: float | None = None, should_stop=lambda: False, on_retry=None):
+def retrying(attempt, *, window_s: float | None = None, should_stop=lambda: False, on_retry=None,
+             conflicts: bool = False):
     """``attempt()``, again with backoff while it fails transiently, for at most ``window_s``.
 
     Each attempt must be a whole transaction (its own session), so a failed one leaves nothing.
@@ -59,7 +63,7 @@ def retrying(attempt, *, window_s: float | None = None, should_stop=lambda: Fals
         try:
             return attempt()
         except Exception as exc:
-            if not is_transient(exc):
+            if not is_transient(exc, conflicts):
                 raise
             left = deadline - time.monotonic()
             if left <= 0 or should_stop():
