@@ -98,7 +98,7 @@ def audit_study(db: Database, name: str, *, max_versions: int | None = 1) -> Stu
     for trial in trials:
         if trial.number in stored:
             continue
-        if trial.state != TrialState.FAIL:
+        if trial.state not in (TrialState.FAIL, TrialState.WAITING):  # asked ahead and failed, or queued
             report.lost += 1
             problems.append(f"Optuna trial {trial.number} is {trial.state.name} with no fleettune row")
     if study.state != "running":
