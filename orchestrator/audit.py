@@ -7,7 +7,7 @@ results database:
   not running);
 - Optuna's trial states equal fleettune's, trial by trial (a complete row is a COMPLETE trial
   with the same value; a failed row a FAIL one; an Optuna trial without a row was asked ahead and
-  never dispatched, and must be FAIL);
+  never dispatched, and must be FAIL, or is queued and still WAITING);
 - every sample belongs to a complete trial;
 - search trials complete == budget for a complete study (never more: nothing counted twice);
 - one recommendation version per real change (a study that ran once has at most one).
