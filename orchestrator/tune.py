@@ -110,8 +110,9 @@ def tune_all_chips(
         raise BadInput("--study names one study; with --all-chips the names are chosen per chip")
     cfg.validate()
     stop = stop if stop is not None else StopRequest()
-    with pause_on_signals(stop), \
-            dispatch.connected(address, local_chip_key=None if address else fingerprint_live().chip_key):
+    # after joining Ray: ray.init sets its own SIGTERM handler (an exit), which ours replaces
+    with dispatch.connected(address, local_chip_key=None if address else fingerprint_live().chip_key), \
+            pause_on_signals(stop):
         infos = dispatch.describe_nodes(dispatch.bench_nodes())
         by_chip = nodes_by_chip(infos, is_sim_model(cfg.model.path))
         if not by_chip:
@@ -170,7 +171,8 @@ def tune(
     cfg.validate()
     local_key = None if address else fingerprint_live().chip_key
     stop = stop if stop is not None else StopRequest()
-    with pause_on_signals(stop), dispatch.connected(address, local_chip_key=local_key):
+    # after joining Ray: ray.init sets its own SIGTERM handler (an exit), which ours replaces
+    with dispatch.connected(address, local_chip_key=local_key), pause_on_signals(stop):
         nodes = dispatch.bench_nodes(chip_key)
         if not nodes and chip_key:
             raise BadInput(f"unknown chip {chip_key!r}: no bench node has it")
