@@ -133,7 +133,7 @@ def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, f
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_pauses_every_study_of_all_chips_and_resume_completes(sqlite_url, fleet_cluster, sig):
-    args = [sys.executable, "-m", "orchestrator.cli", "tune", SIM_MODEL, "--all-chips", "--trials", "30",
+    args = [sys.executable, "-m", "orchestrator.cli", "tune", SIM_MODEL, "--all-chips", "--trials", "120",
             "--address", fleet_cluster["address"], "--db", sqlite_url, "--prompt-tokens", "512",
             "--gen-tokens", "128", "-r", "3", "--quiet", "--seed", "4", "--no-warm-start"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -151,14 +151,15 @@ def test_a_signal_pauses_every_study_of_all_chips_and_resume_completes(sqlite_ur
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err  # paused, every one of them
     assert err.strip().startswith("paused:") and err.count("\n") <= 1
-    for name in names:
-        report = audit_study(db, name)
-        assert report.state == "paused" and report.ok, report.problems
+    reports = [audit_study(db, name) for name in names]
+    assert all(r.ok for r in reports), [r.problems for r in reports]
+    # every study still running when the signal came paused (a fast chip's may have ended first)
+    assert {r.state for r in reports} <= {"paused", "complete"} and any(r.state == "paused" for r in reports)
     run_cli("tune", SIM_MODEL, "--all-chips", "--resume", "--address", fleet_cluster["address"], "--db",
             sqlite_url, "--prompt-tokens", "512", "--gen-tokens", "128", "--quiet", "--no-warm-start")
     for name in names:
         report = audit_study(db, name)
-        assert report.state == "complete" and report.complete == 30 and report.ok, report.problems
+        assert report.state == "complete" and report.complete == 120 and report.ok, report.problems
 
 
 def test_killed_driver_resumes_without_duplicates(db_url, fleet_cluster, tmp_path):
