@@ -206,10 +206,10 @@ def kill_raylet(node, capsys) -> None:
 
 @pytest.mark.cluster
 def test_a_killed_raylet_leaves_no_measurement(marked_node, model_info, capsys):
-    from orchestrator.dispatch import Dispatcher
+    from orchestrator.dispatch import RayDispatcher
 
     marker = marked_node["marker"]
-    dispatcher = Dispatcher()
+    dispatcher = RayDispatcher()
     ref = dispatcher.submit(long_spec(model_info, "raylet-" + marker[:8]), marked_node["chip"])
     wait_until(lambda: loaded(marker), timeout=120)
     kill_raylet(marked_node["node"], capsys)
@@ -225,12 +225,12 @@ def test_a_killed_driver_leaves_no_measurement(marked_node, model_info, ray_clus
     spec = long_spec(model_info, "driver-" + marker[:8])
     code = (
         "import json, sys, ray\n"
-        "from orchestrator.dispatch import Dispatcher\n"
+        "from orchestrator.dispatch import RayDispatcher\n"
         "from workers.trial import BenchParams, TrialSpec, Workload\n"
         "data = json.loads(sys.argv[1])\n"
         "data['params'] = BenchParams(**data['params']); data['workload'] = Workload(**data['workload'])\n"
         f"ray.init(address={ray_cluster['address']!r}, log_to_driver=False, logging_level='ERROR')\n"
-        f"ray.get(Dispatcher().submit(TrialSpec(**data), {marked_node['chip']!r}))\n"
+        f"ray.get(RayDispatcher().submit(TrialSpec(**data), {marked_node['chip']!r}))\n"
     )
     driver = subprocess.Popen([sys.executable, "-c", code, json.dumps(asdict(spec))],
                               env={**os.environ, **ray_cluster["env"]}, stdout=subprocess.DEVNULL,
@@ -251,10 +251,10 @@ def test_a_killed_driver_leaves_no_measurement(marked_node, model_info, ray_clus
                          indirect=True)
 def test_ray_force_cancel_leaves_no_measurement(marked_node, model_info):
     """What a paused or abandoned trial gets (studies cancel their refs with force=True)."""
-    from orchestrator.dispatch import Dispatcher
+    from orchestrator.dispatch import RayDispatcher
 
     marker = marked_node["marker"]
-    dispatcher = Dispatcher()
+    dispatcher = RayDispatcher()
     ref = dispatcher.submit(long_spec(model_info, "cancel-" + marker[:8]), marked_node["chip"])
     wait_until(lambda: loaded(marker), timeout=120)
     dispatcher.cancel(ref)
