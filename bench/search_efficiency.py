@@ -21,11 +21,10 @@ import time
 
 import optuna
 
-from orchestrator.learn import DIRECTIONS
 from orchestrator.samplers import make_sampler
 from orchestrator.space import SearchSpace
 from workers import simulated
-from workers.objective import objective
+from workers.objective import objective as objective_named
 from workers.trial import BenchParams, TrialSpec, Workload
 
 MODELS = {"LLaMA-2 7B Q4_0": ("llama2-7b", "q4_0"), "Llama-3-8B Q4_K_M": ("llama3-8b", "q4_k_m")}
@@ -64,7 +63,7 @@ def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, obj
 
     ``warm``: configurations measured first (moved into the space), as a warm-started study does.
     """
-    direction = DIRECTIONS[objective]
+    direction = objective_named(objective).direction.value
     study = optuna.create_study(direction=direction,
                                 sampler=make_sampler(sampler_name, space, budget, direction, seed))
     for params in warm:
@@ -137,7 +136,7 @@ def main() -> int:
 
 def _seed_scan_final(chip, shape, space, args, optimum: float) -> float:
     """Quality of the hand method's final pick (true value / optimum) after its whole scan."""
-    direction = DIRECTIONS[args.objective]
+    direction = objective_named(args.objective).direction.value
     sampler = make_sampler("seed-scan", space, args.budget, direction, 0)
     study = optuna.create_study(direction=direction, sampler=sampler)
     node = simulated.SimulatedNode(chip, shape_for=lambda _: shape, scenario=args.scenario, seed=0)
@@ -148,7 +147,7 @@ def _seed_scan_final(chip, shape, space, args, optimum: float) -> float:
         if not result.ok:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             continue
-        target = objective(args.objective)
+        target = objective_named(args.objective)
         study.tell(trial, target.value(result.pp.median if result.pp else None,
                                        result.tg.median if result.tg else None,
                                        WORKLOAD.n_prompt, WORKLOAD.n_gen))

@@ -11,12 +11,8 @@ import statistics
 from dataclasses import dataclass
 
 from workers.errors import FleettuneError
-from workers.objective import OBJECTIVE_NAMES, Objective, e2e_seconds, objective
-from workers.objective import OBJECTIVES as OBJECTIVE_TYPES
+from workers.objective import Objective, e2e_seconds, objective
 from workers.trial import BenchParams, Sample
-
-OBJECTIVES = OBJECTIVE_NAMES  # the names, for option choices
-DIRECTIONS = {name: o.direction.value for name, o in OBJECTIVE_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -42,12 +38,6 @@ class RecommendationDraft:
     improvement: float | None
     evidence: list[int]
     simulated: bool
-
-
-def objective_value(objective_name: str | Objective, pp: float | None, tg: float | None,
-                    n_prompt: int, n_gen: int) -> float | None:
-    """What Optuna optimises: tok/s for tg and pp (maximise), seconds for e2e (minimise)."""
-    return objective(objective_name).value(pp, tg, n_prompt, n_gen)
 
 
 def _rates(samples, kind: str) -> list[float]:

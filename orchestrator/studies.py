@@ -574,7 +574,7 @@ class StudyRunner:
 
         try:
             retrying(lambda: self._in_session(work), window_s=5.0)
-        except (DatabaseUnavailable, Exception) as exc:  # noqa: BLE001 - the pause must not fail
+        except Exception as exc:  # noqa: BLE001 - the pause must not fail (DatabaseUnavailable included)
             log.warning("could not record the pause of %s: %s", self.name, exc)
 
     def _finish(self) -> None:
