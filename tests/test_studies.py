@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import pytest
 from optuna.trial import TrialState
+from sqlalchemy import update
 
 from orchestrator import dispatch
 from orchestrator.db import open_database, repo
+from orchestrator.db.models import Study
 from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
 from orchestrator.tune import record_nodes
 from workers.trial import Workload
@@ -75,6 +81,13 @@ def test_running_trials_orphaned_by_a_killed_driver_are_failed_on_resume(
         repo.start_trial(s, study_id=runner.study_id, optuna_number=trial.number, phase="search",
                          params=params.to_dict(), simulated=False)
         runner.storage.flush(s)
+    # ...and a lease whose holder is a process of this host that was killed
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait()
+    with runner.db.session() as s:
+        s.execute(update(Study).where(Study.id == runner.study_id)
+                  .values(lease_owner=f"{socket.gethostname()[:30]}:{killed.pid}:killed0"))
     resumed = make_runner(db_url, model_info, local_fingerprint, name="orphans", n_trials=1, resume=True)
     outcome = resumed.run()
     rows = search_rows(resumed)
