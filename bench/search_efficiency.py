@@ -43,8 +43,7 @@ def true_value(chip, shape, params: BenchParams, objective: str, scenario: str) 
 
 
 def space_for(chip, shape) -> SearchSpace:
-    info = simulated.sim_model_info(f"sim://{shape.name}/{shape.quant}")
-    return SearchSpace.for_target(chip, info, WORKLOAD.n_prompt)
+    return SearchSpace.for_target(chip, shape, WORKLOAD.n_prompt)
 
 
 def grid_optimum(chip, shape, space: SearchSpace, objective: str, scenario: str) -> float:
@@ -73,7 +72,7 @@ def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, obj
     for n in range(1, budget + 1):
         trial = study.ask()
         params = space.suggest(trial)
-        spec = TrialSpec(f"sim://{shape.name}/{shape.quant}", "x", params, WORKLOAD, trial_key=f"{seed}-{n}")
+        spec = TrialSpec(shape.path, "x", params, WORKLOAD, trial_key=f"{seed}-{n}")
         result = node.measure(spec)
         if not result.ok:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)

@@ -191,7 +191,7 @@ MODEL_COLUMNS = [
 
 def _model_row(info) -> dict:
     return {
-        **info.to_dict(),
+        **info.summary(),
         "sha256_short": info.sha256[:12],
         "params": human_params(info.n_params),
         "size": human_bytes(info.size_bytes),
@@ -1114,7 +1114,7 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenar
                          n_ubatch=ubatch or min(512, batch))
     pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario)
     record = {
-        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.name} {shape.quant}",
+        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "flags": params.llama_cpp_flags(),
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
         "fits": pred.fits, "reason": pred.reason, "simulated": True,
@@ -1133,7 +1133,7 @@ def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenar
     chip, shape = _sim_target(chip_text, model_shape, quant)
     params, pred, value = simulated.optimum(chip, shape, objective, prompt_tokens, gen_tokens, scenario)
     record = {
-        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.name} {shape.quant}",
+        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "objective": objective, "flags": params.llama_cpp_flags(),
         "value": round(value, 3), "unit": "s" if objective == "e2e" else "tok/s",
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),

@@ -39,7 +39,14 @@ import numpy as np
 
 from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint, apple_bins, chip_table
-from workers.models import ARCH_SHAPES, QUANT_BPW, ModelShape
+from workers.models import (
+    ARCH_SHAPES,
+    QUANT_BPW,
+    SIM_SCHEME,
+    ModelInfo,
+    named_model,
+    read_model_info,
+)
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
 
 # Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
@@ -112,85 +119,46 @@ def all_chips() -> list[Fingerprint]:
     return [parse_chip(f"{b.family}/{b.gpu_cores}") for b in chip_table()]
 
 
-NAMED_SHAPES = {name: shape for name, shape in ARCH_SHAPES.items() if name != "tiny"}
+NAMED_SHAPES = tuple(name for name in ARCH_SHAPES if name != "tiny")
 
 
-def model_shape(name: str, quant: str) -> ModelShape:
+def model_shape(name: str, quant: str) -> ModelInfo:
+    """A named shape at a quantisation (no file behind it)."""
     quant = quant.lower()
     if name not in NAMED_SHAPES:
         raise BadInput(f"unknown model shape {name!r}; known: {', '.join(NAMED_SHAPES)}")
     if quant not in QUANT_BPW:
         raise BadInput(f"unknown quantisation {quant!r}; known: {', '.join(QUANT_BPW)}")
-    return replace(NAMED_SHAPES[name], name=name, quant=quant)
+    return named_model(name, quant)
 
 
-def shape_from_gguf(path: str) -> ModelShape:
-    """The shape of a real GGUF file (its metadata), for predictions about that file."""
-    import gguf
-
-    from workers.models import read_model_info
-
+def shape_from_gguf(path: str) -> ModelInfo:
+    """A real GGUF file's record, with what the simulator assumes where its metadata is silent."""
     info = read_model_info(path)
-    reader = gguf.GGUFReader(path)
-    arch = info.architecture
-
-    def field(key, default=None):
-        f = reader.fields.get(f"{arch}.{key}")
-        return int(f.contents()) if f is not None else default
-
-    n_head = field("attention.head_count", 1)
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    quant = info.file_type.lower()
-    if quant not in QUANT_BPW:
-        quant = "q4_0"
-    return ModelShape(
-        name=info.name, n_layer=info.n_layer, n_embd=field("embedding_length"),
-        n_ff=field("feed_forward_length"), n_head=n_head,
-        n_head_kv=field("attention.head_count_kv", n_head), n_vocab=info.n_vocab or 32000,
-        n_ctx=info.context_length or 4096, quant=quant, tied_embeddings=tied,
-    )
-
-
-SIM_SCHEME = "sim://"
+    n_head = info.n_head or 1
+    return replace(info, n_head=n_head, n_head_kv=info.n_head_kv or n_head, n_vocab=info.n_vocab or 32000,
+                   context_length=info.context_length or 4096)
 
 
 def is_sim_model(ref: str) -> bool:
     return ref.startswith(SIM_SCHEME)
 
 
-def parse_sim_model(ref: str) -> ModelShape:
+def parse_sim_model(ref: str) -> ModelInfo:
     """"sim://llama3-8b/q4_k_m": a named shape and quantisation, no file behind it."""
     name, _, quant = ref.removeprefix(SIM_SCHEME).partition("/")
     return model_shape(name, quant or "q4_0")
 
 
 @cache
-def shape_for_path(path: str) -> ModelShape:
-    """The shape a simulated node benchmarks for a trial's model (named, or a GGUF's metadata)."""
+def shape_for_path(path: str) -> ModelInfo:
+    """The model a simulated node benchmarks for a trial (named, or a GGUF's metadata)."""
     return parse_sim_model(path) if is_sim_model(path) else shape_from_gguf(path)
 
 
-def sim_model_info(ref: str):
-    """A ModelInfo for a named shape, with a stable identity (sha256 of its name)."""
-    import hashlib
-
-    from workers.models import ModelInfo
-
-    shape = parse_sim_model(ref)
-    canonical = f"{SIM_SCHEME}{shape.name}/{shape.quant}"
-    return ModelInfo(
-        sha256=hashlib.sha256(canonical.encode()).hexdigest(),
-        path=canonical,
-        name=f"{shape.name}-{shape.quant}",
-        architecture="llama",
-        n_layer=shape.n_layer,
-        n_params=int(shape.n_params),
-        file_type=shape.quant.upper(),
-        size_bytes=int(shape.file_bytes),
-        context_length=shape.n_ctx,
-        n_embd=shape.n_embd,
-        n_vocab=shape.n_vocab,
-    )
+def sim_model_info(ref: str) -> ModelInfo:
+    """The model a sim:// reference names, as the orchestrator registers it."""
+    return parse_sim_model(ref)
 
 
 # ---------------------------------------------------------------- calibration
@@ -236,10 +204,10 @@ def fitted_constants() -> GpuConstants:
         one_hot = [1.0 if QUANT_CLASS[r["quant"]] == c else 0.0 for c in classes]
         t_tg = 1 / r["tg128"]
         a_tg.append([read / (chip.bandwidth_gbs * 1e9) / t_tg,
-                     *[h * s.n_params / core_ghz / t_tg for h in one_hot], s.n_layer / t_tg])
+                     *[h * s.weight_params / core_ghz / t_tg for h in one_hot], s.n_layer / t_tg])
         y_tg.append(1.0)
         t_pp = 1 / r["pp512"]  # seconds per prompt token at ubatch 512
-        a_pp.append([*[h * s.n_params / core_ghz / t_pp for h in one_hot],
+        a_pp.append([*[h * s.weight_params / core_ghz / t_pp for h in one_hot],
                      read / (chip.bandwidth_gbs * 1e9) / 512 / t_pp, s.n_layer / 512 / t_pp])
         y_pp.append(1.0)
     x_tg = np.linalg.lstsq(np.array(a_tg), np.array(y_tg), rcond=None)[0]
@@ -306,7 +274,7 @@ def _thread_speed(chip: Fingerprint, threads: int) -> float:
 
 
 def predict(
-    chip: Fingerprint, shape: ModelShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
+    chip: Fingerprint, shape: ModelInfo, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
     scenario: str = "calibrated",
 ) -> Prediction:
     """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload)."""
@@ -374,7 +342,7 @@ def predict(
     return Prediction(pp_tps=1 / t_pp, tg_tps=1 / t_tg, gpu_bytes=need, fits=True)
 
 
-def search_grid(chip: Fingerprint, shape: ModelShape, batch_choices=(128, 256, 512, 1024, 2048)):
+def search_grid(chip: Fingerprint, shape: ModelInfo, batch_choices=(128, 256, 512, 1024, 2048)):
     """Every configuration of the exhaustive grid (ngl x threads x batch; ubatch = min(512, b))."""
     for ngl in range(shape.n_layer + 2):
         for threads in range(1, chip.p_cores + chip.e_cores + 1):
@@ -383,7 +351,7 @@ def search_grid(chip: Fingerprint, shape: ModelShape, batch_choices=(128, 256, 5
                                   n_ubatch=min(512, batch))
 
 
-def optimum(chip: Fingerprint, shape: ModelShape, objective: str = "tg", n_prompt: int = 512,
+def optimum(chip: Fingerprint, shape: ModelInfo, objective: str = "tg", n_prompt: int = 512,
             n_gen: int = 128, scenario: str = "calibrated") -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
     from workers.objective import objective as named_objective
@@ -399,7 +367,7 @@ def optimum(chip: Fingerprint, shape: ModelShape, objective: str = "tg", n_promp
         if better:
             best = (params, pred, value)
     if best is None:
-        raise BadInput(f"{shape.name} does not fit on {chip.label} in any configuration")
+        raise BadInput(f"{shape.shape_name} does not fit on {chip.label} in any configuration")
     return best
 
 
@@ -419,7 +387,7 @@ class SimulatedNode:
     """A simulated Mac: measures through the model, with noise, heat and simulated time."""
 
     chip: Fingerprint
-    shape_for: callable = None  # model path -> ModelShape
+    shape_for: callable = None  # model path -> ModelInfo
     scenario: str = "calibrated"
     noise_cv: float = 0.03
     time_scale: float = 0.0  # seconds slept per simulated second (0: instant)
@@ -456,7 +424,7 @@ class SimulatedNode:
                                        started_at=started, finished_at=time.time())
         rng = random.Random(f"{self.seed}:{spec.trial_key}:{spec.params}")
         throttle = self.THROTTLE_FACTOR if (fanless(self.chip) and self.heat > self.THROTTLE_AFTER_S) else 1.0
-        samples, sim_seconds = [], shape.file_bytes / 5e9  # load from SSD at ~5 GB/s
+        samples, sim_seconds = [], shape.weight_bytes / 5e9  # load from SSD at ~5 GB/s
         for kind, n_tokens, rate in (("pp", w.n_prompt, pred.pp_tps), ("tg", w.n_gen, pred.tg_tps)):
             if n_tokens <= 0:
                 continue
@@ -471,7 +439,7 @@ class SimulatedNode:
         elif self.time_scale > 0:
             time.sleep(sim_seconds * self.time_scale)  # the trial's duration, scaled; not synchronisation
         return TrialResult(
-            trial_key=spec.trial_key, ok=True, samples=samples, load_s=shape.file_bytes / 5e9,
+            trial_key=spec.trial_key, ok=True, samples=samples, load_s=shape.weight_bytes / 5e9,
             peak_rss_bytes=int(pred.gpu_bytes), thermal_before="nominal",
             thermal_after="fair" if throttle < 1 else "nominal", started_at=started,
             finished_at=time.time(), measure_s=sim_seconds, simulated=True,
