@@ -34,11 +34,11 @@ from optuna.trial import TrialState
 from orchestrator import learn, lease
 from orchestrator.db import Database, repo
 from orchestrator.db.session import DatabaseUnavailable, engine_kwargs, retrying
+from orchestrator.db.storage import HeadStorage
 from orchestrator.dispatch import Dispatcher
 from orchestrator.samplers import SAMPLER_NAMES, grid_size, make_sampler, resolve_sampler
 from orchestrator.space import SearchSpace, full_offload, llama_cpp_python_defaults
 from orchestrator.stopping import StopRequest
-from orchestrator.storage import HeadStorage
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint

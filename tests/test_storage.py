@@ -10,7 +10,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from orchestrator.db import open_database
-from orchestrator.storage import HeadStorage
+from orchestrator.db.storage import HeadStorage
 
 
 def play(study: optuna.Study) -> None:
