@@ -777,26 +777,9 @@ class StudyRunner:
 
         def work(s):
             study = repo.get_study(s, self.name)
-            rec = repo.add_recommendation(
-                s,
-                chip_id=study.chip_id,
-                model_id=study.model_id,
-                study_id=study.id,
-                objective=str(self.objective),
-                n_prompt=w.n_prompt,
-                n_gen=w.n_gen,
-                params=draft.params.to_dict(),
-                expected_tps=draft.expected_tps,
-                interval_low=draft.interval_low,
-                interval_high=draft.interval_high,
-                expected_pp_tps=draft.expected_pp_tps,
-                expected_tg_tps=draft.expected_tg_tps,
-                baseline_tps=draft.baseline_tps,
-                improvement=draft.improvement,
-                evidence=draft.evidence,
-                simulated=draft.simulated,
-            )
-            return rec.version
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, str(self.objective),
+                                         w.n_prompt, w.n_gen, draft)
+            return repo.add_recommendation(s, new).version
 
         return draft, self._transaction(work)
 

@@ -467,10 +467,9 @@ class NewRecommendation:
         }
 
 
-def add_recommendation(session: Session, new: NewRecommendation | None = None, **fields) -> Recommendation:
-    """Store the next version of a recommendation (``new``; keyword fields are the older form)."""
-    if new is not None:
-        fields = new.columns()
+def add_recommendation(session: Session, new: NewRecommendation) -> Recommendation:
+    """Store the next version of a recommendation; an unchanged one is the latest version again."""
+    fields = new.columns()
     version = (
         session.scalar(
             select(func.max(Recommendation.version)).where(
