@@ -280,6 +280,12 @@ class SamplerJobs:
     def room(self) -> int:
         return self.total - self._done - self.running - len(self.proposals)
 
+    def _expect(self, count: int) -> None:
+        """Tell a sampler that draws proposals in batches how many are asked now (RoundTPESampler)."""
+        expect = getattr(self.study.sampler, "expect", None)
+        if expect is not None:
+            expect(count)
+
     def _propose(self) -> Job:
         trial = self.study.ask()
         params = self.space.suggest(trial)
@@ -290,6 +296,7 @@ class SamplerJobs:
             raise StudyPaused(f"{self._failed} trials failed; see `fleettune results --state failed`")
         batch, self.proposals = self.proposals[:n], self.proposals[n:]
         self.running += len(batch)
+        self._expect(min(n - len(batch), self.room()))
         while len(batch) < n and self.room() > 0:
             batch.append(self._propose())
             self.running += 1
@@ -300,6 +307,7 @@ class SamplerJobs:
             return False  # a small fleet always gets fresh proposals
         if len(self.proposals) >= min(AHEAD_MAX, running // AHEAD_EVERY) or self.room() <= 0:
             return False
+        self._expect(1)  # one at a time: a result may arrive before the next, and stop them
         self.proposals.append(self._propose())
         return True
 
