@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -94,3 +95,17 @@ def test_a_reused_option_keeps_its_spelling_and_takes_per_command_help():
     assert tune_params["prompt_tokens"].opts == bench_params["prompt_tokens"].opts == ["-p", "--prompt-tokens"]
     assert tune_params["reps"].default is None and bench_params["reps"].default == 3
     assert tune_params["timeout"].help != bench_params["timeout"].help
+
+
+def test_sim_commands_print_the_named_shape_and_the_simulators_figures():
+    from workers.trial import BenchParams
+
+    runner = CliRunner()
+    args = ["--chip", "M2 Max/38", "--model-shape", "llama3-8b", "--quant", "q4_k_m", "--json"]
+    predicted = json.loads(runner.invoke(main, ["sim", "predict", *args, "--ngl", "99", "-t", "8"]).output)
+    truth = simulated.predict(simulated.parse_chip("M2 Max/38"), simulated.model_shape("llama3-8b", "q4_k_m"),
+                              BenchParams(99, 8, 512, 512))
+    assert predicted["model"] == "llama3-8b q4_k_m" and predicted["tg128_tps"] == round(truth.tg_tps, 2)
+    best = json.loads(runner.invoke(main, ["sim", "optimum", *args, "--objective", "pp"]).output)
+    assert best["model"] == "llama3-8b q4_k_m" and best["objective"] == "pp" and best["unit"] == "tok/s"
+    assert best["value"] >= round(truth.pp_tps, 3)  # the grid's optimum beats one of its points
