@@ -16,7 +16,7 @@ import heapq
 import time
 
 from workers.hardware import Fingerprint
-from workers.simulated import SimulatedNode
+from workers.simulated import SimulatedNode, shape_for_path
 from workers.trial import TrialResult, TrialSpec
 
 
@@ -28,7 +28,7 @@ class VirtualFleet:
         self.chip, self.trial_s, self.per_wait = chip, trial_s, per_wait
         self.nodes = [f"{prefix}-{i:03d}" for i in range(n_nodes)]
         self.free = list(self.nodes)
-        self.node = SimulatedNode(chip, seed=seed, time_scale=0.0, scenario=scenario)
+        self.node = SimulatedNode(chip, shape_for=shape_for_path, seed=seed, time_scale=0.0, scenario=scenario)
         self.running: dict[int, tuple[TrialSpec, str, float]] = {}  # ref -> (spec, node, started)
         self.due: list[tuple[float, int]] = []  # (finish time, ref) of running trials
         self.finished: dict[int, None] = {}  # refs handed out by wait, not collected (in order)

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -298,8 +299,10 @@ ARCH_SHAPES = {
 }
 
 
+@cache
 def named_model(name: str, quant: str) -> ModelInfo:
-    """A named shape at a quantisation, as a model with a stable identity (sha256 of its sim:// name)."""
+    """A named shape at a quantisation, as a model with a stable identity (sha256 of its sim:// name);
+    one frozen record per pair (a simulated node asks for it on every trial)."""
     shape = ARCH_SHAPES[name]
     canonical = f"{SIM_SCHEME}{name}/{quant}"
     named = replace(shape, sha256=hashlib.sha256(canonical.encode()).hexdigest(), path=canonical,
