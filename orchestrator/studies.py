@@ -382,6 +382,8 @@ class StudyRunner:
         self._beat_at = 0.0
         self._best_at: int | None = None
         self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
+        self._best_number: int | None = None
+        self._optuna_id: int | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -809,12 +811,19 @@ class StudyRunner:
                                   best_value, best_params, running, last))
 
     def _best(self, n_complete: int) -> tuple[float | None, BenchParams | None]:
-        """The best search trial so far, looked up again only when a trial completed."""
+        """The best search trial so far, looked up again only when a trial completed (from the
+        head's storage: ``Study.best_trial`` deep-copies it, once per result), its configuration
+        rebuilt only when another trial became the best."""
         if self._best_at != n_complete:
-            try:
-                best = self.optuna_study.best_trial
-                self._best_cached = best.value, self.space.suggest(optuna.trial.FixedTrial(best.params))
-            except ValueError:
-                self._best_cached = None, None
             self._best_at = n_complete
+            if self._optuna_id is None:
+                self._optuna_id = self.storage.get_study_id_from_name(self.name)
+            try:
+                best = self.storage.get_best_trial(self._optuna_id)
+            except ValueError:
+                self._best_cached, self._best_number = (None, None), None
+            else:
+                if best.number != self._best_number:
+                    self._best_number = best.number
+                    self._best_cached = best.value, self.space.suggest(optuna.trial.FixedTrial(best.params))
         return self._best_cached

@@ -36,3 +36,28 @@ def test_a_round_draws_what_the_loop_expects_and_throws_nothing_away():
     sampler.expect(40)
     ask(40)
     assert draws[2:] == [RoundTPESampler.MAX_BATCH, RoundTPESampler.MAX_BATCH, 40 - 2 * RoundTPESampler.MAX_BATCH]
+
+
+def test_progress_reports_the_best_search_trial_as_optuna_ranks_it(tmp_path):
+    from functools import partial
+
+    from orchestrator.db import open_database
+    from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner
+    from orchestrator.virtual import VirtualFleet
+    from workers import simulated
+    from workers.trial import Workload
+
+    chip = simulated.parse_chip("M2 Ultra/76")
+    fleet = VirtualFleet(chip, 8, seed=4, scenario="seed")  # where full offload (measured first) is not best
+    seen = []
+    cfg = StudyConfig(model=simulated.sim_model_info("sim://llama2-7b/q4_0"), n_trials=40, seed=5, confirm_top=1,
+                      workload=Workload(n_prompt=64, n_gen=16, reps=1))
+    runner = StudyRunner(open_database(f"sqlite:///{tmp_path / 'p.db'}"), fleet, cfg,
+                         ChipTarget(chip, {}, simulated=True), alive_nodes=partial(fleet.alive_nodes, chip.chip_key),
+                         on_progress=lambda p: seen.append(p) if p.phase == "search" else None)
+    runner.run()
+    best = runner.optuna_study.best_trial
+    last = seen[-1]
+    assert last.best_value == best.value and last.best_params == runner.space.suggest(optuna.trial.FixedTrial(best.params))
+    values = [p.best_value for p in seen if p.best_value is not None]
+    assert values == sorted(values) and len(set(values)) > 1  # tg: it only improves, and it did
