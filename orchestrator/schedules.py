@@ -65,7 +65,9 @@ def recommend(db: Database, model: ModelInfo, chip_key: str, objective: str = "t
             return {"chip": chip_key, "model": model.name, "objective": objective, "source": "measured",
                     "flags": params.llama_cpp_flags(), "llama_cpp_python": params.llama_cpp_python_kwargs(),
                     "expected_tps": rec.expected_tps, "interval": [rec.interval_low, rec.interval_high],
-                    "version": rec.version, "evidence": rec.evidence, "simulated": rec.simulated}
+                    "version": rec.version, "evidence": rec.evidence, "simulated": rec.simulated,
+                    "baselines": rec.baselines or {}, "gains": {
+                        name: rec.expected_tps / value - 1 for name, value in (rec.baselines or {}).items() if value}}
     hw = hardware(db, chip_key)
     model_predictor, simulated = predictor(db, objective)
     pred = model_predictor.predict(hw, model)
