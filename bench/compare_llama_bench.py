@@ -87,6 +87,20 @@ def run_llama_bench(argv: list[str]) -> dict[str, float]:
             for row in rows}
 
 
+def join_configs(argv: list[str]) -> list[str]:
+    """``--config "-ngl 0 -t 4"`` as ``--config=-ngl 0 -t 4`` (argparse takes a value that starts
+    with a dash for an option)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            out.append(f"--config={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
@@ -102,7 +116,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--json", help="write every round's figures here")
-    args = ap.parse_args()
+    args = ap.parse_args(join_configs(sys.argv[1:]))
     from workers.digests import sha256_cached
     from workers.llamacompat import extra_buffers_usable
 

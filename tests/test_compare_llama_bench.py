@@ -36,3 +36,10 @@ def test_depth_and_flags_reach_llama_bench():
 def test_bad_configurations_are_bad_input(text):
     with pytest.raises(BadInput):
         parse_case(text, 30, GPU)
+
+
+def test_configurations_that_start_with_a_dash_are_values():
+    from bench.compare_llama_bench import join_configs
+
+    assert join_configs(["--model", "m", "--config", "-ngl 0 -t 4", "--rounds", "5"]) == \
+        ["--model", "m", "--config=-ngl 0 -t 4", "--rounds", "5"]
