@@ -101,15 +101,40 @@ def join_configs(argv: list[str]) -> list[str]:
     return out
 
 
+def render(log: list[dict]) -> str:
+    """The markdown table of a run's log (also of a run cut short: ``--from-json``)."""
+    results: dict[tuple[str, str, str], list[float]] = {}
+    flags: dict[str, str] = {}
+    for entry in log:
+        for test, ts in entry["figures"].items():
+            results.setdefault((entry["config"], test, entry["tool"]), []).append(ts)
+        if entry["argv"]:
+            argv = entry["argv"]
+            flags[entry["config"]] = " ".join(argv[argv.index("-d") + 2:argv.index("--repack")]) + (
+                f" -d {argv[argv.index('-d') + 1]}" if argv[argv.index("-d") + 1] != "0" else "")
+    lines = ["| configuration (llama-bench flags) | test | runs | fleettune median (range) "
+             "| llama-bench median (range) | ratio of medians |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for config in dict.fromkeys(e["config"] for e in log):
+        for test in sorted({k[1] for k in results if k[0] == config}):
+            ft, lb = results.get((config, test, "fleettune"), []), results.get((config, test, "llama-bench"), [])
+            if not ft or not lb:
+                continue
+            ratio = statistics.median(ft) / statistics.median(lb)
+            lines.append(f"| `{flags.get(config, config)}` | {test} | {min(len(ft), len(lb))} | {summary(ft)} "
+                         f"| {summary(lb)} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-bench", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--config", action="append", required=True,
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--model")
+    ap.add_argument("--from-json", help="only print the table of an earlier run's --json")
+    ap.add_argument("--config", action="append",
                     help="llama-bench flags of one configuration, e.g. '-ngl 0 -t 4' (repeatable)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("-p", type=int, default=512)
@@ -117,6 +142,11 @@ def main() -> int:
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--json", help="write every round's figures here")
     args = ap.parse_args(join_configs(sys.argv[1:]))
+    if args.from_json:
+        print(render(json.loads(Path(args.from_json).read_text())["rounds"]))
+        return 0
+    if not (args.llama_bench and args.model and args.config):
+        ap.error("--llama-bench, --model and --config are required")
     from workers.digests import sha256_cached
     from workers.llamacompat import extra_buffers_usable
 
@@ -143,29 +173,25 @@ def main() -> int:
                 runs.reverse()  # alternate who goes first
             for tool, run in runs:
                 started = time.time()
-                figures = run()
+                try:
+                    figures = run()
+                except (RuntimeError, ValueError, KeyError) as exc:  # one failed run; the rest go on
+                    print(f"round {round_no + 1} {case.label} {tool}: {exc}", file=sys.stderr, flush=True)
+                    figures = {}
                 log.append({"round": round_no, "config": case.label, "tool": tool, "started": started,
                             "figures": figures, "argv": argv if tool == "llama-bench" else None,
                             "params": case.params.to_dict()})
                 for test, ts in figures.items():
                     results.setdefault((case.label, test, tool), []).append(ts)
+            if args.json:  # after every configuration, so a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps({"model": model.path, "rounds": log, "p": args.p,
+                                                       "n": args.n, "r": args.r, "repack": repack}, indent=1))
             print(f"round {round_no + 1}/{args.rounds} {case.label}: "
-                  + ", ".join(f"{t} {results[(case.label, t, 'fleettune')][-1]:.1f} vs "
-                              f"{results[(case.label, t, 'llama-bench')][-1]:.1f}"
-                              for t in sorted({k[1] for k in results if k[0] == case.label})),
+                  + ", ".join(f"{t} {results[(case.label, t, tool)][-1]:.1f} ({tool})"
+                              for t in sorted({k[1] for k in results if k[0] == case.label})
+                              for tool in ("fleettune", "llama-bench") if (case.label, t, tool) in results),
                   file=sys.stderr, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": model.path, "rounds": log, "p": args.p, "n": args.n,
-                                               "r": args.r, "repack": repack}, indent=1))
-    print("| configuration (llama-bench flags) | test | fleettune median (range) | llama-bench median (range) "
-          "| ratio of medians |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for case in cases:
-        flags = case.params.llama_cpp_flags("llama-bench") + (f" -d {case.depth}" if case.depth else "")
-        for test in sorted({k[1] for k in results if k[0] == case.label}):
-            ft, lb = results[(case.label, test, "fleettune")], results[(case.label, test, "llama-bench")]
-            ratio = statistics.median(ft) / statistics.median(lb)
-            print(f"| `{flags}` | {test} | {summary(ft)} | {summary(lb)} | {ratio:.3f} |")
+    print(render(log))
     return 0
 
 

@@ -36,3 +36,19 @@ def test_optimus_trials_are_read_with_their_flags(tmp_path):
     assert trials[0]["t"] == 107.5
     assert trials[0]["flags"] == ["--batch-size", "64", "--ubatch-size", "8", "--threads", "3", "-ngl", "20"]
     assert trials[1]["flags"][-2:] == ["--flash-attn", "1"]
+
+
+def test_fleettune_trials_come_from_the_study_database(tmp_path):
+    """The first H200 study's database: 25 measured trials, full offload at 290 tok/s the best."""
+    from pathlib import Path
+
+    from bench.cuda.side_by_side import fleettune_trials
+
+    log = tmp_path / "log"
+    log.write_text("1795962900.0\tSTART []\n")
+    db = Path(__file__).resolve().parent.parent / "docs" / "cuda-h200" / "h200-study.db"
+    start, trials = fleettune_trials(log, f"sqlite:///{db}")
+    assert start == 1795962900.0 and len(trials) == 25
+    assert [t["t"] for t in trials] == sorted(t["t"] for t in trials) and trials[0]["t"] > start
+    best = max(trials, key=lambda t: t["tg"])
+    assert best["tg"] > 280 and best["flags"][:2] == ["-ngl", "33"]

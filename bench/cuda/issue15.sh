@@ -20,10 +20,10 @@ ROOT=$(pwd)
 D=$ROOT/.device
 SRC=$D/src
 export PYTHONPATH=/tmp/site:$SRC PYTHONUNBUFFERED=1 FLEETTUNE_HOME=$W/home
-COMPARE_S=${COMPARE_S:-240}
-STUDY_S=${STUDY_S:-270}
-VS_S=${VS_S:-180}
-STUDY_ARGS=${STUDY_ARGS:---objective e2e --prompt-tokens 512 --gen-tokens 32 --depth 8192 --reps 2 --timeout 60}
+COMPARE_S=${COMPARE_S:-380}
+STUDY_S=${STUDY_S:-240}
+VS_S=${VS_S:-200}
+STUDY_ARGS=${STUDY_ARGS:---objective e2e --prompt-tokens 512 --gen-tokens 32 --depth 8192 --reps 2 --timeout 45}
 LB=$W/build/bin/llama-bench
 M8B=$W/models/synthetic-llama3-8b-q4_0.gguf
 MSMALL=$W/models/synthetic-smollm2-135m-q8_0.gguf
@@ -70,15 +70,17 @@ EOF
 compare() {  # (a)
     timeout -s KILL "$COMPARE_S" python3 "$SRC/bench/compare_llama_bench.py" --llama-bench "$LB" --model "$MSMALL" \
         --config "-ngl 99 -t 16" --config "-ngl 99 -t 16 -fa on -d 4096" --config "-ngl 0 -t 16" \
-        --config "-ngl 0 -t 16 -fa on -d 1024" --config "-ngl 0 -t 8" --config "-ngl 0 -t 4" \
-        --config "-ngl 0 -t 1" --rounds 5 -r 3 --json "$W/compare.json" > "$W/compare.md"
+        --config "-ngl 0 -t 8" --config "-ngl 0 -t 4" --config "-ngl 0 -t 1" --rounds 5 -r 2 --json "$W/compare.json" \
+        > "$W/compare.md"
+    echo "compare rc=$?"  # cut short at COMPARE_S: the table of the rounds it finished
+    python3 "$SRC/bench/compare_llama_bench.py" --from-json "$W/compare.json" > "$W/compare-table.md"
 }
 
 study() {  # (b)
     # shellcheck disable=SC2086
     python3 "$SRC/bench/cuda/side_by_side.py" run-fleettune "$STUDY_S" "$W/study.log" -- \
         python3 -c 'import sys; from orchestrator.cli import main; sys.argv[0] = "fleettune"; main()' \
-        tune "$M8B" --trials 40 $STUDY_ARGS --seed 1 --quiet --db "sqlite:///$W/study.db" --json &&
+        tune "$M8B" --trials 10 $STUDY_ARGS --seed 1 --quiet --db "sqlite:///$W/study.db" --json &&
     ft results --db "sqlite:///$W/study.db" --state all --json > "$W/study-results.json" 2>&1
     ft best --model "$M8B" --db "sqlite:///$W/study.db" --json > "$W/study-best.json" 2>&1
     return 0
@@ -118,7 +120,7 @@ collect() {
     [ -n "${OUT:-}" ] || return 0
     cp "$W/log" "$OUT/log.txt" 2>/dev/null
     [ -f "$W/build.log" ] && tail -c 100000 "$W/build.log" > "$OUT/build-tail.log"
-    (cd "$W" && tar czf "$OUT/results.tar.gz" --ignore-failed-read env.txt hw.json compare.md compare.json \
+    (cd "$W" && tar czf "$OUT/results.tar.gz" --ignore-failed-read env.txt hw.json compare.md compare-table.md compare.json \
         study.log study.db study-results.json study-best.json optimus.log vs-fleettune.log vs.db versus.json \
         versus.md 2>/dev/null)
     return 0

@@ -128,25 +128,23 @@ def bench_tg(exe: str, model: str, flags: list[str], n: int, r: int) -> float:
 def compare(args) -> dict:
     tools = {"llama-optimus": optimus_trials(Path(args.optimus_log)),
              "fleettune": fleettune_trials(Path(args.fleettune_log), args.db)}
-    best = {}
-    for name, (_, trials) in tools.items():
-        if not trials:
-            raise SystemExit(f"{name}: no trial finished")
-        best[name] = max(trials, key=lambda t: t["tg"])
-    remeasured: dict[str, list[float]] = {name: [] for name in tools}
+    best = {name: max(trials, key=lambda t: t["tg"]) for name, (_, trials) in tools.items() if trials}
+    remeasured: dict[str, list[float]] = {name: [] for name in best}
     for round_no in range(args.rounds):
-        order = list(tools) if round_no % 2 == 0 else list(reversed(tools))
+        order = list(best) if round_no % 2 == 0 else list(reversed(best))
         for name in order:
             remeasured[name].append(bench_tg(args.llama_bench, args.model, best[name]["flags"], args.n, args.r))
     medians = {name: statistics.median(v) for name, v in remeasured.items()}
-    target = 0.98 * max(medians.values())
+    target = 0.98 * max(medians.values()) if medians else None
     out = {"n_gen": args.n, "reps": args.r, "rounds": args.rounds, "target_tg": target, "tools": {}}
     for name, (start, trials) in tools.items():
-        reached = next((t for t in trials if t["tg"] >= target), None)
+        reached = next((t for t in trials if target and t["tg"] >= target), None)
+        top = best.get(name)
         out["tools"][name] = {
-            "trials": len(trials), "best_flags": " ".join(best[name]["flags"]), "best_trial_tg": best[name]["tg"],
-            "best_found_after_s": best[name]["t"] - start, "remeasured": remeasured[name],
-            "remeasured_median": medians[name],
+            "trials": len(trials), "best_flags": " ".join(top["flags"]) if top else None,
+            "best_trial_tg": top["tg"] if top else None,
+            "best_found_after_s": top["t"] - start if top else None, "remeasured": remeasured.get(name, []),
+            "remeasured_median": medians.get(name),
             "time_to_98pct_s": None if reached is None else reached["t"] - start,
             "all_trials": [{"after_s": round(t["t"] - start, 1), "tg": t["tg"], "flags": " ".join(t["flags"])}
                            for t in trials],
@@ -160,6 +158,9 @@ def table(result: dict) -> str:
     for name, t in result["tools"].items():
         r = t["remeasured"]
         reach = "not reached" if t["time_to_98pct_s"] is None else f"{t['time_to_98pct_s']:.0f} s"
+        if not r:
+            lines.append(f"| {name} | {t['trials']} | (no trial finished) | – | {reach} |")
+            continue
         lines.append(f"| {name} | {t['trials']} | `{t['best_flags']}` | {t['remeasured_median']:.1f} "
                      f"({min(r):.1f}–{max(r):.1f}) | {reach} |")
     return "\n".join(lines)
