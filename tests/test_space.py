@@ -83,7 +83,7 @@ def test_the_size_counts_each_dimension_with_its_condition():
 def test_a_stored_space_of_an_older_study_searches_what_it_searched():
     old = {"ngl_max": 33, "threads_max": 10, "batch_choices": [32, 64, 128, 256, 512], "flash_attn": False}
     space = SearchSpace.from_dict(old)
-    assert space.fa_modes == () and space.cache_types == () and space.tune_batch
+    assert space.fa_modes == () and space.cache_types == () and space.tune_batch and not space.threads_log
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(20):
         params = space.suggest(study.ask())
