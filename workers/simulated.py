@@ -18,10 +18,12 @@ simulated and never mixed with real measurements. It predicts pp and tg tokens/s
   per element from the cache type: f16 2, q8_0 34/32, q4_0 18/32), and every prompt token attends
   to the depth and the prompt before it (compute). Flash attention reads the cache at its own
   fitted efficiency; without it llama.cpp writes and reads the n_head x context score matrix in
-  f32 and runs a few more kernels per layer. Where the model's attention has no flash-attention
-  kernel on the GPU (Gemma 2's logit soft-capping, at the time of the public row), "on" runs the
-  attention op on the CPU: two hand-overs per layer and the attention's compute on CPU threads;
-  "auto" then means off, as llama.cpp's auto does for an unsupported op.
+  f32 and runs a few more kernels per layer (it is assumed to read the cache no faster than the
+  flash-attention kernel: no public Metal row measures -fa 0 at a depth). Where the model's
+  attention has no flash-attention kernel on the GPU (Gemma 2's logit soft-capping, at the time
+  of the public row), "on" runs the attention op on the CPU: two hand-overs per layer and the
+  attention's compute on CPU threads; "auto" then means off, as llama.cpp's auto does for an
+  unsupported op.
 - Mixture of experts: a token reads only its experts' weights; ``n_cpu_moe`` keeps the expert
   tensors of the first layers in host memory, so their bytes go through the CPU's bandwidth and
   threads; the GPU's working set shrinks by the same bytes.
@@ -549,8 +551,8 @@ def predict(
     scores = shape.n_head * 4 * 4  # f32 scores written and read twice each, per position (no FA)
     if fa_gpu == "on":
         attn_tg = kv_read / (bw * d.fa_kv_efficiency) - kv_read_cal / gpu_bw - d.nofa_tg_s_per_layer
-    else:
-        attn_tg = (kv_read - kv_read_cal) / gpu_bw + scores * (ctx_tg - CAL_TG_CTX) / gpu_bw
+    else:  # the cache read no faster than the flash-attention kernel reads it, and the scores
+        attn_tg = (kv_read - kv_read_cal) / (bw * d.fa_kv_efficiency) + scores * (ctx_tg - CAL_TG_CTX) / gpu_bw
         if fa_gpu == "cpu":
             attn_tg += 2 * d.fa_cpu_handover_s
 
