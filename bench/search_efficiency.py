@@ -14,8 +14,11 @@ Variants (``--variants``; the ablation of what each means contributes):
 
 - ``study``: what ``tune`` does: the space of ``SearchSpace.for_target`` (threads up to the
   performance cores, conditional dimensions), a first design of full offload, llama.cpp's
-  defaults and the calibrated model's prediction, then the sampler.
+  defaults, at a depth the same with flash attention on and the most compact KV cache, and the
+  calibrated model's prediction, then the sampler.
 - ``no-prediction``: the same without the prediction in the first design.
+- ``no-compact-cache``: without the prediction nor, at a depth, llama.cpp's defaults with flash
+  attention on and the most compact KV cache (q4_0 K and V).
 - ``no-first-design``: the same space, no first design (the sampler from its first trial).
 - ``all-threads``: ``study`` with threads searched up to every logical core.
 - ``linear-threads``: ``study`` with threads proposed on a linear scale, not a log one.
@@ -44,6 +47,7 @@ from orchestrator.samplers import make_sampler  # noqa: E402
 from orchestrator.space import (  # noqa: E402
     CACHE_TYPES,
     SearchSpace,
+    compact_cache,
     full_offload,
     llama_cpp_defaults,
     moe_layout,
@@ -55,7 +59,7 @@ from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
 
 MODELS = {"LLaMA-2 7B Q4_0": ("llama2-7b", "q4_0"), "Llama-3-8B Q4_K_M": ("llama3-8b", "q4_k_m")}
 WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=3)
-VARIANTS = ("study", "no-prediction", "no-first-design", "all-threads", "linear-threads", "flat")
+VARIANTS = ("study", "no-prediction", "no-compact-cache", "no-first-design", "all-threads", "linear-threads", "flat")
 DEFAULT_CHIPS = ("M1/8", "M1 Pro/16", "M1 Max/32", "M1 Ultra/64", "M2/10", "M2 Pro/19", "M2 Max/38",
                  "M2 Ultra/76", "M3/10", "M3 Pro/18", "M3 Max/40", "M4/10", "M4 Pro/20", "M4 Max/40")
 
@@ -120,8 +124,11 @@ def first_design(chip, shape, space: SearchSpace, variant: str, objective: str, 
     if variant == "no-first-design":
         return []
     info = simulated.sim_model_info(f"sim://{shape.name}/{shape.quant}")
-    design = [full_offload(chip, info, space), llama_cpp_defaults(chip, info, workload.n_prompt)]
-    if variant != "no-prediction":  # the calibrated model's optimum, as a new study enqueues it
+    defaults = llama_cpp_defaults(chip, info, workload.n_prompt)
+    design = [full_offload(chip, info, space), defaults]
+    if workload.depth and variant != "no-compact-cache":
+        design.append(compact_cache(defaults, space))
+    if variant not in ("no-prediction", "no-compact-cache"):  # the calibrated model's optimum, as a new study enqueues it
         design.append(predicted_optimum(chip, info, workload.n_prompt, workload.n_gen, workload.depth, objective))
     return [p for p in design if p is not None]
 

@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from search_efficiency import WORKLOAD, first_design, grid_optimum, run_study, space_for, true_value  # noqa: E402
 
-from orchestrator.schedules import features  # noqa: E402
-from orchestrator.transfer import ConfigPredictor, Example  # noqa: E402
+from orchestrator.transfer import ConfigPredictor, Example, features  # noqa: E402
 from workers import simulated  # noqa: E402
 
 MODEL = ("llama2-7b", "q4_0")

@@ -374,6 +374,16 @@ def predicted_optimum(fp: Fingerprint, model: ModelInfo, n_prompt: int, n_gen: i
     return params
 
 
+def compact_cache(params: BenchParams, space: SearchSpace) -> BenchParams | None:
+    """``params`` with flash attention on and the most compact K and V cache the space has: at a
+    depth every generated token reads the whole cache, so its bytes are the first thing to cut.
+    None where the space searches neither (a stored older space)."""
+    if "on" not in space.fa_modes or not space.cache_types:
+        return None
+    smallest = space.cache_types[-1]  # CACHE_TYPES runs from the largest to the smallest
+    return replace(params, flash_attn="on", type_k=smallest, type_v=smallest)
+
+
 def full_offload(fp: Fingerprint, model: ModelInfo, space: SearchSpace) -> BenchParams | None:
     """Every layer on the GPU with llama-cpp-python's other defaults: the usual hand-tuned choice.
 

@@ -39,6 +39,7 @@ from orchestrator.dispatch import Dispatcher
 from orchestrator.samplers import SAMPLER_NAMES, grid_size, make_sampler, resolve_sampler
 from orchestrator.space import (
     SearchSpace,
+    compact_cache,
     full_offload,
     llama_cpp_defaults,
     llama_cpp_python_defaults,
@@ -498,18 +499,21 @@ class StudyRunner:
 
     def _enqueue_starts(self) -> None:
         """A new study first measures full offload (where the GPU can take layers), llama.cpp's
-        defaults as the space can say them and, on an Apple Silicon chip, the calibrated model's
-        predicted optimum; then the warm start configurations; then lets its sampler propose;
-        each distinct config once.
+        defaults as the space can say them, at a depth the same with flash attention on and the
+        most compact KV cache, and, on an Apple Silicon chip, the calibrated model's predicted
+        optimum; then the warm start configurations; then lets its sampler propose; each
+        distinct config once.
 
         The first design is where the optimum usually is on Apple Silicon (every layer on the
         GPU): bench/search_efficiency.py measures what each part of it saves."""
         fp, w = self.target.fingerprint, self.cfg.workload
         reference = full_offload(fp, self.cfg.model, self.space)
         defaults = self.baselines[learn.LLAMA_CPP]
+        compact = compact_cache(defaults, self.space) if w.depth else None
         prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, str(self.objective))
         seen = set()
-        for params in [p for p in (reference, defaults, prediction, *self.cfg.warm_start) if p is not None]:
+        for params in [p for p in (reference, defaults, compact, prediction, *self.cfg.warm_start)
+                       if p is not None]:
             values = self.space.optuna_params(self.space.clip(params))
             key = tuple(sorted(values.items()))
             if key not in seen:
