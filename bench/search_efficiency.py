@@ -93,7 +93,7 @@ def true_value(chip, shape, params: BenchParams, objective: str, scenario: str, 
 
 
 def space_for(chip, shape, objective: str = "tg", workload: Workload = WORKLOAD) -> SearchSpace:
-    info = simulated.sim_model_info(f"sim://{shape.name}/{shape.quant}")
+    info = shape  # a named shape is its own model record
     return SearchSpace.for_target(chip, info, workload.n_prompt, objective, moe_layout(info))
 
 
@@ -123,7 +123,7 @@ def first_design(chip, shape, space: SearchSpace, variant: str, objective: str, 
     """The configurations a new study measures before its sampler proposes."""
     if variant == "no-first-design":
         return []
-    info = simulated.sim_model_info(f"sim://{shape.name}/{shape.quant}")
+    info = shape  # a named shape is its own model record
     defaults = llama_cpp_defaults(chip, info, workload.n_prompt)
     design = [full_offload(chip, info, space), defaults]
     if workload.depth and variant != "no-compact-cache":
@@ -165,7 +165,7 @@ def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, obj
         if params.n_ubatch < 1:  # refused by llama.cpp: a failed trial
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             continue
-        spec = TrialSpec(f"sim://{shape.name}/{shape.quant}", "x", params, workload, trial_key=f"{seed}-{n}")
+        spec = TrialSpec(shape.path, "x", params, workload, trial_key=f"{seed}-{n}")
         result = node.measure(spec)
         if not result.ok:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)

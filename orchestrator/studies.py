@@ -35,6 +35,7 @@ from optuna.trial import TrialState
 from orchestrator import learn, lease
 from orchestrator.db import Database, repo
 from orchestrator.db.session import DatabaseUnavailable, engine_kwargs, retrying
+from orchestrator.db.storage import HeadStorage
 from orchestrator.dispatch import Dispatcher
 from orchestrator.samplers import SAMPLER_NAMES, grid_size, make_sampler, resolve_sampler
 from orchestrator.space import (
@@ -47,7 +48,6 @@ from orchestrator.space import (
     predicted_optimum,
 )
 from orchestrator.stopping import StopRequest
-from orchestrator.storage import HeadStorage
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
@@ -830,28 +830,9 @@ class StudyRunner:
 
         def work(s):
             study = repo.get_study(s, self.name)
-            rec = repo.add_recommendation(
-                s,
-                chip_id=study.chip_id,
-                model_id=study.model_id,
-                study_id=study.id,
-                objective=str(self.objective),
-                n_prompt=w.n_prompt,
-                n_gen=w.n_gen,
-                depth=w.depth,
-                baselines=draft.baselines or None,
-                params=draft.params.to_dict(),
-                expected_tps=draft.expected_tps,
-                interval_low=draft.interval_low,
-                interval_high=draft.interval_high,
-                expected_pp_tps=draft.expected_pp_tps,
-                expected_tg_tps=draft.expected_tg_tps,
-                baseline_tps=draft.baseline_tps,
-                improvement=draft.improvement,
-                evidence=draft.evidence,
-                simulated=draft.simulated,
-            )
-            return rec.version
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, str(self.objective),
+                                         w.n_prompt, w.n_gen, draft, depth=w.depth)
+            return repo.add_recommendation(s, new).version
 
         return draft, self._transaction(work)
 
