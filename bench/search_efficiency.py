@@ -22,6 +22,7 @@ Variants (``--variants``; the ablation of what each means contributes):
 - ``no-first-design``: the same space, no first design (the sampler from its first trial).
 - ``all-threads``: ``study`` with threads searched up to every logical core.
 - ``linear-threads``: ``study`` with threads proposed on a linear scale, not a log one.
+- ``no-prediction-linear-threads``: ``no-prediction`` with threads on a linear scale.
 - ``flat``: ``study`` with every dimension searched everywhere (batch, ubatch and n_threads_batch
   for tg too, no condition on the V type's flash attention: a quantized V without it fails).
 
@@ -59,7 +60,8 @@ from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
 
 MODELS = {"LLaMA-2 7B Q4_0": ("llama2-7b", "q4_0"), "Llama-3-8B Q4_K_M": ("llama3-8b", "q4_k_m")}
 WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=3)
-VARIANTS = ("study", "no-prediction", "no-compact-cache", "no-first-design", "all-threads", "linear-threads", "flat")
+VARIANTS = ("study", "no-prediction", "no-compact-cache", "no-first-design", "all-threads", "linear-threads",
+            "no-prediction-linear-threads", "flat")
 DEFAULT_CHIPS = ("M1/8", "M1 Pro/16", "M1 Max/32", "M1 Ultra/64", "M2/10", "M2 Pro/19", "M2 Max/38",
                  "M2 Ultra/76", "M3/10", "M3 Pro/18", "M3 Max/40", "M4/10", "M4 Pro/20", "M4 Max/40")
 
@@ -128,7 +130,7 @@ def first_design(chip, shape, space: SearchSpace, variant: str, objective: str, 
     design = [full_offload(chip, info, space), defaults]
     if workload.depth and variant != "no-compact-cache":
         design.append(compact_cache(defaults, space))
-    if variant not in ("no-prediction", "no-compact-cache"):  # the calibrated model's optimum, as a new study enqueues it
+    if variant not in ("no-prediction", "no-compact-cache", "no-prediction-linear-threads"):  # the calibrated model's optimum, as a new study enqueues it
         design.append(predicted_optimum(chip, info, workload.n_prompt, workload.n_gen, workload.depth, objective))
     return [p for p in design if p is not None]
 
@@ -137,7 +139,7 @@ def variant_space(chip, shape, variant: str, objective: str, workload: Workload)
     space = space_for(chip, shape, objective, workload)
     if variant == "all-threads":
         return replace(space, threads_max=chip.logical_cores)
-    if variant == "linear-threads":
+    if variant in ("linear-threads", "no-prediction-linear-threads"):
         return replace(space, threads_log=False)
     if variant == "flat":
         flat = FlatSpace(**{**space.__dict__, "tune_batch": True, "threads_batch": True})
