@@ -124,6 +124,8 @@ def run_virtual(args) -> dict:
     """One study per chip, all at once (as `tune --all-chips` runs them), nodes split evenly."""
     if args.no_ahead:
         studies.AHEAD_MIN_RUNNING = sys.maxsize
+    if args.round_results:
+        studies.ROUND_RESULTS = args.round_results
     tmp = tempfile.mkdtemp()
     db = open_database(db_url(args.db, tmp))
     chips = fleet_chips(args.chips)
@@ -206,6 +208,8 @@ def main() -> None:
     parser.add_argument("--scenario", default="calibrated", choices=sorted(simulated.SCENARIOS),
                         help="virtual: the simulator's scenario (worst_pick: true speed of each study's pick / optimum)")
     parser.add_argument("--no-ahead", action="store_true", help="virtual: never propose ahead of need")
+    parser.add_argument("--round-results", type=int, help="virtual: results collected per round (default: "
+                        "the study loop's ROUND_RESULTS)")
     args = parser.parse_args()
     threading.current_thread().name = "bench"
     out = run_virtual(args) if args.mode == "virtual" else run_ray(args)

@@ -2,6 +2,11 @@
 
 Every error fleettune can name (bad input, an unreachable cluster, a bad database URL) is printed as
 one line on stderr with exit code 2; nothing has been written when that happens.
+
+Imports inside commands are of modules that cost a second or more to import (the database layer:
+SQLAlchemy and Alembic; Optuna; matplotlib; numpy through the simulator; Ray and llama.cpp load
+lazily inside dispatch and the workers): importing them here would make every command, and
+`fleettune --help`, pay for all of them. Everything else is imported once, above.
 """
 
 from __future__ import annotations
@@ -12,10 +17,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from orchestrator import dispatch
 from orchestrator.report import FORMATS, Column, human_bytes, human_params, render, render_record
+from workers import fleet_token, join, nodeconfig, serve
+from workers import service as svc
+from workers.bench import bench_local, default_threads
 from workers.errors import BadInput, FleettuneError
+from workers.files import atomic_output, check_writable
+from workers.hardware import fingerprint_from_dir, fingerprint_live
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
+from workers.objective import OBJECTIVE_NAMES, OBJECTIVES
+from workers.objective import objective as objective_named
+from workers.trial import BenchParams, Workload, llama_cpp_python_code
 
 # llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
 EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
@@ -40,12 +57,84 @@ class FleettuneGroup(click.Group):
             ctx.exit(EXIT_PAUSED if isinstance(exc, StudyPaused) else EXIT_BAD_INPUT)
 
 
+# ---------------------------------------------------------------- options
+#
+# Every option that more than one command takes is declared once, here; a command may change its
+# help, default or parameter name (``dest``), or narrow its type, never its spelling.
+
+
+def _reusable(*decls: str, dest: str | None = None, **attrs) -> Callable[..., Callable]:
+    """An option declared once: ``factory(**overrides)`` is its decorator for one command."""
+
+    def factory(*, dest: str | None = dest, **overrides) -> Callable:
+        return click.option(*decls, *([dest] if dest else []), **{**attrs, **overrides})
+
+    return factory
+
+
+class ObjectiveChoice(click.Choice):
+    """The objectives workers/objective.py defines; an unknown name is fleettune's one-line error
+    (``BadInput``), not click's usage block."""
+
+    def __init__(self) -> None:
+        super().__init__(OBJECTIVE_NAMES)
+
+    def convert(self, value, param, ctx):
+        return objective_named(value).name
+
+
+OBJECTIVE_HELP = "; ".join(f"{o.name}: {o.description}" for o in OBJECTIVES.values())
+SCENARIOS = ("calibrated", "seed")  # workers.simulated.SCENARIOS, without importing numpy for --help
+MAX_TOKENS = 2**31 - 1
+
+address_option = _reusable("--address", help="Ray cluster address (default: the local head).")
+objective_option = _reusable("--objective", dest="objective", type=ObjectiveChoice(), default="tg",
+                             show_default=True, help=OBJECTIVE_HELP)
+chip_option = _reusable("--chip", dest="chip_key", help="Chip key (or its prefix, e.g. apple-m2-ultra).")
+model_option = _reusable("--model", dest="model_ref", help="Model name or sha256 prefix.")
+study_option = _reusable("--study", help="Study name.")
+scenario_option = _reusable("--scenario", type=click.Choice(SCENARIOS), default="calibrated",
+                            show_default=True, help="Simulated nodes only.")
+time_scale_option = _reusable("--time-scale", default=0.0, show_default=True,
+                              help="Real seconds slept per simulated second of benchmarking.")
+token_file_option = _reusable("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+                              help="The head's token file (default: the data dir).")
+token_option = _reusable("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
+host_option = _reusable("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+port_option = _reusable("--port", type=int, default=8080, show_default=True)
+system_option = _reusable("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+timeout_option = _reusable("--timeout", default=600.0, show_default=True,
+                           help="Seconds before one trial is killed.")
+apply_timeout_option = _reusable("--apply-timeout", default=60.0, show_default=True,
+                                 type=click.FloatRange(0.1, 3600),
+                                 help="Seconds a node has to answer an apply before it counts as failed.")
+quant_option = _reusable("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape.")
+seed_option = _reusable("--seed", type=int, help="Sampler seed, for reproducible proposals.")
+output_file_option = _reusable("-o", "--output", dest="out", type=click.Path(dir_okay=False),
+                               help="File (default: stdout).")
+format_option = _reusable("--format", dest="fmt", type=click.Choice(FORMATS), default="table",
+                          show_default=True, help="Output format.")
+# the bench parameters and workload of a trial
+ngl_option = _reusable("--ngl", "-ngl", default=0, show_default=True, help="Layers offloaded to the GPU.")
+threads_option = _reusable("-t", "--threads", type=int, help="CPU threads (default: physical cores).")
+batch_option = _reusable("-b", "--batch", default=2048, show_default=True, help="Logical batch size.")
+ubatch_option = _reusable("--ub", "-ub", dest="ubatch", type=int,
+                          help="Physical batch size (default: min(512, batch)).")
+prompt_tokens_option = _reusable("-p", "--prompt-tokens", default=512, show_default=True,
+                                 help="pp test tokens (0: skip).")
+gen_tokens_option = _reusable("-n", "--gen-tokens", default=128, show_default=True, help="tg test tokens (0: skip).")
+reps_option = _reusable("-r", "--reps", default=3, show_default=True, help="Repetitions of each test.")
+flash_attn_option = _reusable("-fa", "--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off",
+                              show_default=True, help="Flash attention (llama.cpp's -fa).")
+depth_option = _reusable("-d", "--depth", type=click.IntRange(min=0), default=0, show_default=True,
+                         help="Tokens already in the KV cache before pp and tg are timed (llama-bench -d).")
+
+
 def output_options(default: str = "table") -> Callable:
     """The shared output options of every query command: --format, and --json as its shortcut."""
 
     def decorator(func):
-        @click.option("--format", "fmt", type=click.Choice(FORMATS), default=default, show_default=True,
-                      help="Output format.")
+        @format_option(default=default)
         @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
         @functools.wraps(func)
         def wrapper(*args, fmt: str, as_json: bool, **kwargs):
@@ -87,8 +176,6 @@ def hw() -> None:
 @output_options()
 def hw_show(from_dir: str | None, fmt: str) -> None:
     """Show the chip, cores, GPU, memory and bandwidth fleettune routes by."""
-    from workers.hardware import fingerprint_from_dir, fingerprint_live
-
     fp = fingerprint_from_dir(from_dir) if from_dir else fingerprint_live()
     click.echo(render_record(fp.to_dict(), fmt))
 
@@ -108,7 +195,7 @@ MODEL_COLUMNS = [
 
 def _model_row(info) -> dict:
     return {
-        **info.to_dict(),
+        **info.summary(),
         "sha256_short": info.sha256[:12],
         "params": human_params(info.n_params),
         "size": human_bytes(info.size_bytes),
@@ -150,11 +237,11 @@ def model_add(path: str, db_url: str | None, fmt: str) -> None:
 @model.command("synth")
 @click.option("--shape", type=click.Choice(sorted(ARCH_SHAPES)), required=True,
               help="Architecture whose tensor shapes the file takes.")
-@click.option("--quant", type=click.Choice(SYNTH_QUANTS), default="q4_0", show_default=True)
+@quant_option(type=click.Choice(SYNTH_QUANTS), help=None)
 @click.option("--vocab-from", metavar="GGUF", help="Real GGUF (or model) whose tokenizer to copy "
               "(default: smollm2-135m).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
-@click.option("-o", "--output", "out", type=click.Path(), required=True, help="File (or folder) to write.")
+@seed_option(default=0, show_default=True, help="Seed of the random weights.")
+@output_file_option(type=click.Path(), required=True, help="File (or folder) to write.")
 @db_option
 @output_options()
 def model_synth(shape, quant, vocab_from, seed, out, db_url, fmt) -> None:
@@ -179,14 +266,14 @@ def model_list(db_url: str | None, fmt: str) -> None:
 
 @model.command("push")
 @click.argument("model_ref", metavar="MODEL")
-@click.option("--chip", "chip_key", help="Only nodes of this chip.")
-@click.option("--address", help="Ray cluster address (default: the local head).")
+@chip_option(help="Only nodes of this chip.")
+@address_option()
 @click.option("--force", is_flag=True, help="Replace a different file at the model's path on a node.")
 @db_option
 @output_options()
 def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
     """Copy a model to the nodes that lack it (same path as here), sha256-checked on each node."""
-    from orchestrator import dispatch, registry
+    from orchestrator import registry
 
     info = registry.resolve(_open_db(db_url), model_ref)
     with dispatch.connected(address or "auto"):
@@ -204,15 +291,15 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@click.option("--ngl", "-ngl", default=0, show_default=True, help="Layers offloaded to the GPU.")
-@click.option("-t", "--threads", type=int, help="CPU threads (default: physical cores).")
-@click.option("-b", "--batch", default=2048, show_default=True, help="Logical batch size.")
-@click.option("--ub", "-ub", "ubatch", type=int, help="Physical batch size (default: min(512, batch)).")
-@click.option("--flash-attn", "-fa", is_flag=True, help="Use flash attention.")
-@click.option("-p", "--prompt-tokens", default=512, show_default=True, help="pp test tokens (0: skip).")
-@click.option("-n", "--gen-tokens", default=128, show_default=True, help="tg test tokens (0: skip).")
-@click.option("-r", "--reps", default=3, show_default=True, help="Repetitions of each test.")
-@click.option("--timeout", default=600.0, show_default=True, help="Seconds before the trial is killed.")
+@ngl_option()
+@threads_option()
+@batch_option()
+@ubatch_option()
+@flash_attn_option()
+@prompt_tokens_option()
+@gen_tokens_option()
+@reps_option()
+@timeout_option(help="Seconds before the trial is killed.")
 @db_option
 @output_options()
 def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen_tokens, reps,
@@ -220,9 +307,6 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
     """Measure one configuration on this machine (llama-bench's method and table)."""
     from orchestrator import registry
     from orchestrator.llamabench import BENCH_LAYOUT, bench_rows
-    from workers.bench import bench_local, default_threads
-    from workers.hardware import fingerprint_live
-    from workers.trial import BenchParams, Workload
 
     info = registry.resolve(_open_db(db_url), model_ref)
     params = BenchParams(n_gpu_layers=ngl, n_threads=threads or default_threads(fingerprint_live()),
@@ -237,8 +321,6 @@ def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen
 
 
 def _progress_printer(console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     progress = Progress(
         TextColumn("{task.fields[phase]:<8}"),
         BarColumn(bar_width=20),
@@ -251,8 +333,6 @@ def _progress_printer(console):
     task = progress.add_task("tune", total=1, phase="", info="")
 
     def update(p) -> None:
-        from workers.trial import BenchParams
-
         def short(params: BenchParams | None) -> str:
             if params is None:
                 return "-"
@@ -271,23 +351,21 @@ def _progress_printer(console):
 @click.argument("model_ref", metavar="MODEL")
 @click.option("--trials", type=int, default=None,
               help="Search trials (budget; default 30, or what a resumed study was created with).")
-@click.option("--objective", default="tg", show_default=True,
-              help="tg: generation tok/s; pp: prompt tok/s; e2e: time for prompt + generation.")
-@click.option("--prompt-tokens", default=512, show_default=True)
-@click.option("--gen-tokens", default=128, show_default=True)
-@click.option("-d", "--depth", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Tokens already in the KV cache before pp and tg are timed (llama-bench -d).")
-@click.option("-r", "--reps", type=int, default=None,
-              help="Repetitions per trial (default 3, or what a resumed study was created with).")
+@objective_option()
+@prompt_tokens_option()
+@gen_tokens_option()
+@depth_option()
+@reps_option(type=int, default=None, show_default=False,
+             help="Repetitions per trial (default 3, or what a resumed study was created with).")
 @click.option("--sampler", default="auto", show_default=True,
               help="auto (gp with torch installed, else tpe) | tpe | gp | random | grid | seed-scan.")
-@click.option("--study", "study_name", help="Study name (default: chip/model/workload).")
+@study_option(dest="study_name", help="Study name (default: chip/model/workload).")
 @click.option("--resume", is_flag=True, help="Continue the study instead of starting a new one.")
-@click.option("--chip", "chip_key", help="Chip key to tune (needed when the cluster has several).")
+@chip_option(help="Chip key to tune (needed when the cluster has several).")
 @click.option("--all-chips", is_flag=True, help="One study per chip in the cluster, all at once.")
-@click.option("--address", help="Ray cluster address HOST:PORT (default: embedded Ray on this machine).")
-@click.option("--seed", type=int, help="Sampler seed, for reproducible proposals.")
-@click.option("--timeout", default=600.0, show_default=True, help="Seconds before one trial is killed.")
+@address_option(help="Ray cluster address HOST:PORT (default: embedded Ray on this machine).")
+@seed_option()
+@timeout_option()
 @click.option("--cooldown", default=0.0, show_default=True, help="Seconds of rest before each trial.")
 @click.option("--confirm-top", default=3, show_default=True, help="Top configurations to re-measure.")
 @click.option("--warm-start/--no-warm-start", "warm", default=True, show_default=True,
@@ -299,14 +377,10 @@ def _progress_printer(console):
 def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, sampler, study_name, resume,
          chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
-    from rich.console import Console
-    from rich.markup import escape
-
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
     from orchestrator.tune import tune as run_tune
     from orchestrator.tune import tune_all_chips
-    from workers.trial import Workload
 
     db = _open_db(db_url)
     info = registry.resolve(db, model_ref)
@@ -409,9 +483,9 @@ RESULT_COLUMNS = [
 
 
 @main.command()
-@click.option("--chip", help="Chip key (or its prefix, e.g. apple-m2-ultra).")
-@click.option("--model", "model_ref", help="Model name or sha256 prefix.")
-@click.option("--study", help="Study name.")
+@chip_option(dest="chip")
+@model_option()
+@study_option()
 @click.option("--state", default="complete", show_default=True,
               type=click.Choice(["complete", "failed", "running", "all"]))
 @click.option("--top", type=click.IntRange(min=1),
@@ -441,15 +515,14 @@ BEST_COLUMNS = [
 
 
 @main.command()
-@click.option("--model", "model_ref", required=True, help="Model name, sha256 prefix or path.")
-@click.option("--chip", help="Chip key (or prefix).")
-@click.option("--objective", help="tg | pp | e2e (default: all).")
+@model_option(required=True, help="Model name, sha256 prefix or path.")
+@chip_option(dest="chip", help="Chip key (or prefix).")
+@objective_option(default=None, show_default=False, help="tg | pp | e2e (default: all).")
 @db_option
 @output_options()
 def best(model_ref, chip, objective, db_url, fmt) -> None:
     """The recommended configuration: llama.cpp flags and llama-cpp-python kwargs."""
     from orchestrator import queries
-    from workers.trial import llama_cpp_python_code
 
     rows = queries.best_rows(_open_db(db_url), model_ref, chip, objective)
     click.echo(render(rows, BEST_COLUMNS, fmt))
@@ -473,10 +546,10 @@ RECOMMEND_COLUMNS = [
 
 
 @main.command()
-@click.option("--model", "model_ref", required=True, help="Model name, sha256 prefix, path or sim://.")
-@click.option("--chip", "chip_key", required=True, help="Chip key, also of a chip never measured.")
-@click.option("--workload", "objective", type=click.Choice(["tg", "pp", "e2e"]), default="tg",
-              show_default=True)
+@model_option(required=True, help="Model name, sha256 prefix, path or sim://.")
+@chip_option(required=True, help="Chip key, also of a chip never measured.")
+@click.option("--workload", "objective", type=ObjectiveChoice(), default="tg", show_default=True,
+              help=OBJECTIVE_HELP)
 @db_option
 @output_options()
 def recommend(model_ref, chip_key, objective, db_url, fmt) -> None:
@@ -496,7 +569,7 @@ def schedule() -> None:
 
 
 @schedule.command("learn")
-@click.option("--model", "model_ref", help="Only this model's studies.")
+@model_option(help="Only this model's studies.")
 @db_option
 @output_options()
 def schedule_learn(model_ref, db_url, fmt) -> None:
@@ -534,17 +607,25 @@ def rollout() -> None:
     """Put recommended configurations into service: canary, verify, promote or roll back."""
 
 
+def rollout_options(func):
+    """What a rollout is of (model, objective, chips) and the share of each chip it starts on."""
+    for option in reversed([
+        model_option(required=True, help=None),
+        objective_option(help=None),
+        click.option("--chips", help="Comma-separated chip keys (default: every chip with a recommendation)."),
+        click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first."),
+    ]):
+        func = option(func)
+    return func
+
+
 @rollout.command("plan")
-@click.option("--model", "model_ref", required=True)
-@click.option("--objective", default="tg", show_default=True, type=click.Choice(["tg", "pp", "e2e"]))
-@click.option("--chips", help="Comma-separated chip keys (default: every chip with a recommendation).")
-@click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
-@click.option("--address", help="Ray cluster address (default: the local head).")
+@rollout_options
+@address_option()
 @db_option
 @output_options()
 def rollout_plan(model_ref, objective, chips, canary, address, db_url, fmt) -> None:
     """Per chip: the configuration, its canaries, the expected speed and what the nodes run now."""
-    from orchestrator import dispatch
     from orchestrator import rollout as ro
 
     db, info = _rollout_target(db_url, model_ref)
@@ -560,8 +641,6 @@ def rollout_plan(model_ref, objective, chips, canary, address, db_url, fmt) -> N
 
 
 def _payload_flags(payload: dict) -> str:
-    from workers.trial import BenchParams
-
     return BenchParams.from_dict(payload["params"]).llama_cpp_flags()
 
 
@@ -573,24 +652,19 @@ ROLLOUT_NODE_COLUMNS = [
 
 
 @rollout.command("start")
-@click.option("--model", "model_ref", required=True)
-@click.option("--objective", default="tg", show_default=True, type=click.Choice(["tg", "pp", "e2e"]))
-@click.option("--chips", help="Comma-separated chip keys (default: every chip with a recommendation).")
-@click.option("--canary", default="10%", show_default=True, help="Share of each chip's nodes first.")
+@rollout_options
 @click.option("--tolerance", default="5%", show_default=True,
               help="A canary slower than expected by more than this rolls everything back.")
 @click.option("--params", "pin", help="Roll out these llama.cpp flags instead ('-ngl 99 -t 4 -b 512'): "
               "an operator's pin, judged by the same canary analysis.")
-@click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
-              help="Seconds a node has to answer an apply before it counts as failed.")
+@apply_timeout_option()
 @click.option("--dry-run", is_flag=True, help="Show the plan; change nothing.")
-@click.option("--address", help="Ray cluster address (default: the local head).")
+@address_option()
 @db_option
 @output_options()
 def rollout_start(model_ref, objective, chips, canary, tolerance, pin, apply_timeout, dry_run, address, db_url,
                   fmt) -> None:
     """Roll the recommendation out (an unfinished rollout of the model is resumed)."""
-    from orchestrator import dispatch
     from orchestrator import rollout as ro
 
     if dry_run:
@@ -623,16 +697,14 @@ def rollout_status(rollout_id, db_url, fmt) -> None:
 
 @rollout.command("rollback")
 @click.argument("rollout_id", type=int, required=False)
-@click.option("--apply-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
-              help="Seconds a node has to answer; one that does not is restored later.")
-@click.option("--address", help="Ray cluster address (default: the local head).")
+@apply_timeout_option(help="Seconds a node has to answer; one that does not is restored later.")
+@address_option()
 @db_option
 def rollout_rollback(rollout_id, apply_timeout, address, db_url) -> None:
     """Give every node a rollout touched its previous configuration (default: the latest).
 
     Nodes that do not answer are recorded as pending; run it again (or `rollout sync`) to reach them.
     """
-    from orchestrator import dispatch
     from orchestrator import rollout as ro
 
     db = _open_db(db_url)
@@ -645,13 +717,13 @@ def rollout_rollback(rollout_id, apply_timeout, address, db_url) -> None:
 
 
 @rollout.command("sync")
-@click.option("--model", "model_ref", help="Only this model's rollouts.")
-@click.option("--address", help="Ray cluster address (default: the local head).")
+@model_option(help="Only this model's rollouts.")
+@address_option()
 @db_option
 @output_options()
 def rollout_sync(model_ref, address, db_url, fmt) -> None:
     """Give nodes that joined later (or lost their file) their chip's current configuration."""
-    from orchestrator import dispatch, registry
+    from orchestrator import registry
     from orchestrator import rollout as ro
 
     db = _open_db(db_url)
@@ -676,19 +748,17 @@ def rollout_history(db_url, fmt) -> None:
 
 
 @main.command("serve")
-@click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
+@model_option(dest="model_path", required=True, type=click.Path(dir_okay=False),
               help="The GGUF file this node serves.")
 @click.option("--server", type=click.Choice(["auto", "llama-cpp-python", "llama-server"]), default="auto",
               show_default=True, help="auto: llama-server where it is on PATH, else llama-cpp-python.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI API listens on.")
-@click.option("--port", default=8080, show_default=True, type=int)
+@host_option(help="Address the OpenAI API listens on.")
+@port_option(help=None)
 @click.option("--node-id", help="Ray node id whose config to serve (default: this machine's raylet).")
-@click.option("--address", help="Ray cluster address (default: the local one).")
+@address_option(help="Ray cluster address (default: the local one).")
 def serve_command(model_path, server, host, port, node_id, address) -> None:
     """Serve the model with this node's active configuration: an OpenAI-compatible server,
     restarted if it dies, switched to a new config without dropping requests."""
-    from workers import serve
-
     serve.serve(model_path, node_id=node_id, server=server, host=host, port=port, address=address,
                 on_ready=lambda sup: click.echo(f"serving {sup.alias} on {sup.address} (node {sup.node_id[:12]}, "
                                                 f"{sup.kind.name})", err=True))
@@ -701,15 +771,13 @@ def service() -> None:
 
 @service.command("install")
 @click.argument("kind", type=click.Choice(["worker", "serve"]))
-@click.option("--address", help="The head, HOST:PORT (worker: required; serve: to ask the head for configs).")
-@click.option("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
-@click.option("--model", "model_path", help="serve: the GGUF file to serve.")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+@address_option(help="The head, HOST:PORT (worker: required; serve: to ask the head for configs).")
+@token_option()
+@model_option(dest="model_path", help="serve: the GGUF file to serve.")
+@port_option(type=click.IntRange(1, 65535))
+@system_option()
 def service_install(kind, address, token, model_path, port, system) -> None:
     """Write the service file and print the command that starts it."""
-    from workers import service as svc
-
     done = svc.install(kind, address=address, model=model_path, port=port, token=token, system=system)
     click.echo(f"wrote {done.path}")
     click.echo(f"start it with:  {done.load}")
@@ -717,11 +785,9 @@ def service_install(kind, address, token, model_path, port, system) -> None:
 
 @service.command("uninstall")
 @click.argument("kind", type=click.Choice(["worker", "serve"]))
-@click.option("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
+@system_option()
 def service_uninstall(kind, system) -> None:
     """Remove the service file (stop it first with the printed command)."""
-    from workers import service as svc
-
     done = svc.uninstall(kind, system=system)
     if done is None:
         raise BadInput(f"no {kind} service installed")
@@ -736,12 +802,9 @@ def config() -> None:
 
 @config.command("show")
 @click.option("--node", "node_id", help="Ray node id (prefix); default: every config on this machine.")
-@click.option("--format", "fmt", type=click.Choice(["json", "flags", "ollama", "python"]), default="json",
-              show_default=True)
+@format_option(type=click.Choice(["json", "flags", "ollama", "python"]), default="json", help=None)
 def config_show(node_id, fmt) -> None:
     """Print the active config as JSON, llama.cpp flags, Ollama PARAMETER lines or Python."""
-    from workers import nodeconfig
-
     configs = nodeconfig.all_configs()
     if node_id:
         configs = {k: v for k, v in configs.items() if k.startswith(node_id)}
@@ -762,8 +825,7 @@ def plot() -> None:
 
 
 def _plot_output(func):
-    return click.option("-o", "--output", "out", type=click.Path(dir_okay=False), required=True,
-                        help="File to write: .png or .html.")(func)
+    return output_file_option(required=True, help="File to write: .png or .html.")(func)
 
 
 def _saved(figure, out: str) -> None:
@@ -773,7 +835,7 @@ def _saved(figure, out: str) -> None:
 
 
 @plot.command("heatmap")
-@click.option("--study", required=True, help="Study name.")
+@study_option(required=True)
 @click.option("--metric", type=click.Choice(["tg", "pp", "objective"]), default="tg", show_default=True)
 @click.option("--x", "x_axis", type=click.Choice(["threads", "ngl", "batch", "ubatch"]), default="threads",
               show_default=True)
@@ -789,7 +851,7 @@ def plot_heatmap(study, metric, x_axis, y_axis, out, db_url) -> None:
 
 
 @plot.command("history")
-@click.option("--study", required=True, help="Study name.")
+@study_option(required=True)
 @_plot_output
 @db_option
 def plot_history(study, out, db_url) -> None:
@@ -800,7 +862,7 @@ def plot_history(study, out, db_url) -> None:
 
 
 @plot.command("importance")
-@click.option("--study", required=True, help="Study name.")
+@study_option(required=True)
 @_plot_output
 @db_option
 def plot_importance(study, out, db_url) -> None:
@@ -811,8 +873,8 @@ def plot_importance(study, out, db_url) -> None:
 
 
 @plot.command("chips")
-@click.option("--model", "model_ref", required=True, help="Model name, sha256 prefix or path.")
-@click.option("--objective", help="tg | pp | e2e (default: all).")
+@model_option(required=True, help="Model name, sha256 prefix or path.")
+@objective_option(default=None, show_default=False, help="tg | pp | e2e (default: all).")
 @_plot_output
 @db_option
 def plot_chips(model_ref, objective, out, db_url) -> None:
@@ -832,10 +894,9 @@ def import_() -> None:
 
 @import_.command("llama-bench")
 @click.argument("path", type=click.Path())
-@click.option("--chip", "chip_key", help="Chip key of the machine that ran it (default: from its "
-              "cpu_info/gpu_info).")
-@click.option("--model", "model_ref", help="The model it measured, if registered here (default: matched "
-              "by file name, else recorded unverified).")
+@chip_option(help="Chip key of the machine that ran it (default: from its cpu_info/gpu_info).")
+@model_option(help="The model it measured, if registered here (default: matched by file name, else "
+              "recorded unverified).")
 @db_option
 @output_options()
 def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
@@ -856,18 +917,16 @@ def import_llama_bench(path, chip_key, model_ref, db_url, fmt) -> None:
 
 
 @main.command("export")
-@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), default="llama-bench-json",
-              show_default=True)
-@click.option("--study", help="Study name.")
-@click.option("--chip", help="Chip key (or its prefix).")
-@click.option("--model", "model_ref", help="Model name or sha256 prefix.")
+@format_option(type=click.Choice(EXPORT_FORMATS), default="llama-bench-json", help=None)
+@study_option()
+@chip_option(dest="chip", help="Chip key (or its prefix).")
+@model_option()
 @click.option("--simulated", is_flag=True, help="Export simulated trials (never mixed with real ones).")
-@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="File (default: stdout).")
+@output_file_option()
 @db_option
 def export(fmt, study, chip, model_ref, simulated, out, db_url) -> None:
     """Write trials as llama-bench would have printed them (JSON, JSONL, CSV) or its markdown table."""
     from orchestrator import llamabench, queries
-    from workers.files import atomic_output, check_writable
 
     if out:
         check_writable(out)  # before the query: a bad path is one line, whatever the database holds
@@ -883,8 +942,8 @@ def export(fmt, study, chip, model_ref, simulated, out, db_url) -> None:
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=8080, show_default=True)
+@host_option()
+@port_option()
 @db_option
 def dashboard(host, port, db_url) -> None:
     """Open the results database's studies in optuna-dashboard (extra `dashboard`)."""
@@ -906,13 +965,11 @@ def head() -> None:
 
 
 @head.command("start")
-@click.option("--port", default=6379, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address Ray binds to (loopback by default; name the LAN address for a fleet).")
+@port_option(default=6379)
+@host_option(help="Address Ray binds to (loopback by default; name the LAN address for a fleet).")
 @click.option("--dashboard", is_flag=True, help="Start Ray's dashboard too (bound to --host).")
-@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where to keep the token (mode 0600; default: the data dir). The token is "
-                   "$FLEETTUNE_RAY_TOKEN when set, else a new one.")
+@token_file_option(help="Where to keep the token (mode 0600; default: the data dir). The token is "
+                        "$FLEETTUNE_RAY_TOKEN when set, else a new one.")
 @db_option
 def head_start(port: int, host: str, dashboard: bool, token_file: Path | None, db_url: str | None) -> None:
     """Start the Ray head with token authentication; prints what workers need to join."""
@@ -927,8 +984,7 @@ def head_start(port: int, host: str, dashboard: bool, token_file: Path | None, d
 
 
 @head.command("token")
-@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="The head's token file (default: the data dir).")
+@token_file_option()
 def head_token(token_file: Path | None) -> None:
     """Print the fleet's token (whoever holds it can run code on every node)."""
     from orchestrator import fleet
@@ -945,31 +1001,26 @@ def worker() -> None:
 
 
 @worker.command("start")
-@click.option("--address", required=True, help="The head, HOST:PORT.")
-@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="File holding the head's token (else $FLEETTUNE_RAY_TOKEN, else this machine's "
-                   "data dir).")
-@click.option("--token", "token_value", hidden=True, help="Refused: it would show the token in ps.")
+@address_option(required=True, help="The head, HOST:PORT.")
+@token_file_option(help="File holding the head's token (else $FLEETTUNE_RAY_TOKEN, else this machine's "
+                        "data dir).")
+@token_option(dest="token_value", envvar=None, hidden=True, help="Refused: it would show the token in ps.")
 @click.option("--simulate", "simulate", metavar="CHIP",
               help='Join as a simulated Mac, e.g. "M2 Ultra/76" or "M2 Ultra/76/192".')
-@click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
-              show_default=True, help="Simulated nodes only.")
-@click.option("--time-scale", default=0.0, show_default=True,
-              help="Simulated nodes: real seconds slept per simulated second.")
+@scenario_option()
+@time_scale_option(help="Simulated nodes: real seconds slept per simulated second.")
 @click.option("--name", help="Name shown for this node instead of its hostname.")
 @output_options()
 def worker_start(address, token_file, token_value, simulate, scenario, time_scale, name, fmt) -> None:
     """Fingerprint this node and join the head's Ray cluster with one bench slot."""
     from orchestrator import fleet
-    from orchestrator.dispatch import _check_reachable
-    from workers import fleet_token, join
 
     if token_value is not None:
         raise BadInput("--token puts the fleet's token on the command line, visible in ps: "
                        "use --token-file PATH or the FLEETTUNE_RAY_TOKEN environment variable")
     token = fleet_token.resolve(token_file, fleet.token_path())
     plan = join.plan_join(simulate, scenario, time_scale, name=name)
-    _check_reachable(address)
+    dispatch.check_reachable(address)
     join.worker_start(address, token, plan)
     click.echo(render_record({"joined": address, **plan.labels, "simulated": plan.simulated}, fmt))
 
@@ -977,8 +1028,6 @@ def worker_start(address, token_file, token_value, simulate, scenario, time_scal
 @worker.command("stop")
 def worker_stop() -> None:
     """Stop every Ray process of this machine (its worker, or a head started here)."""
-    from workers import join
-
     join.worker_stop()
     click.echo("stopped")
 
@@ -1002,13 +1051,13 @@ STATUS_COLUMNS = [
 
 
 @fleet.command("status")
-@click.option("--address", help="Ray cluster address (default: the local head).")
+@address_option()
 @db_option
 @output_options()
 def fleet_status(address, db_url, fmt) -> None:
     """Nodes: chip, state (idle/busy/dead), trials done, last seen, slow-node flags, and what each
     serves (model, config version, health)."""
-    from orchestrator import dispatch, serving
+    from orchestrator import serving
 
     db = _open_db(db_url)
     with dispatch.connected(address or "auto"):
@@ -1022,11 +1071,10 @@ def fleet_status(address, db_url, fmt) -> None:
 
 @fleet.command("simulate")
 @click.option("--mix", required=True, help='e.g. "M1 Pro/16:4,M2 Ultra/76:8,M4 Max/40:4" (chip:count).')
-@click.option("--address", help="Join an existing head instead of starting one here.")
-@click.option("--port", default=6379, show_default=True)
-@click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated", show_default=True)
-@click.option("--time-scale", default=0.0, show_default=True,
-              help="Real seconds slept per simulated second of benchmarking.")
+@address_option(help="Join an existing head instead of starting one here.")
+@port_option(default=6379)
+@scenario_option(help=None)
+@time_scale_option()
 @output_options()
 def fleet_simulate(mix, address, port, scenario, time_scale, fmt) -> None:
     """Start a local cluster of simulated Macs (a head plus one Ray worker per node)."""
@@ -1048,21 +1096,16 @@ def sim() -> None:
     """The calibrated Apple Silicon performance model (simulated, never mixed with real data)."""
 
 
-MAX_TOKENS = 2**31 - 1
-
-
 def sim_options(func):
     for option in reversed([
-        click.option("--chip", "chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
+        chip_option(dest="chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
         click.option("--model-shape", required=True,
                      help="llama2-7b | llama3-8b | llama2-13b | qwen3-0.6b | qwen3-30b-a3b | gemma2-2b | PATH.gguf"),
-        click.option("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape."),
-        click.option("-p", "--prompt-tokens", type=click.IntRange(0, MAX_TOKENS), default=512, show_default=True),
-        click.option("-n", "--gen-tokens", type=click.IntRange(0, MAX_TOKENS), default=128, show_default=True),
-        click.option("-d", "--depth", type=click.IntRange(0, MAX_TOKENS), default=0, show_default=True,
-                     help="Tokens already in the KV cache (llama-bench -d)."),
-        click.option("--scenario", type=click.Choice(["calibrated", "seed"]), default="calibrated",
-                     show_default=True),
+        quant_option(),
+        prompt_tokens_option(type=click.IntRange(0, MAX_TOKENS), help=None),
+        gen_tokens_option(type=click.IntRange(0, MAX_TOKENS), help=None),
+        depth_option(type=click.IntRange(0, MAX_TOKENS)),
+        scenario_option(help=None),
     ]):
         func = option(func)
     return func
@@ -1081,14 +1124,12 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 
 @sim.command("predict")
 @sim_options
-@click.option("--ngl", "-ngl", type=click.IntRange(0, 9999), default=99, show_default=True,
-              help="GPU layers (beyond the model: all).")
-@click.option("-t", "--threads", type=click.IntRange(1, 4096), default=8, show_default=True)
-@click.option("-b", "--batch", type=click.IntRange(1, MAX_TOKENS), default=512, show_default=True)
-@click.option("--ub", "-ub", "ubatch", type=click.IntRange(1, MAX_TOKENS),
-              help="Physical batch (default: min(512, batch)).")
+@ngl_option(type=click.IntRange(0, 9999), default=99, help="GPU layers (beyond the model: all).")
+@threads_option(type=click.IntRange(1, 4096), default=8, show_default=True, help=None)
+@batch_option(type=click.IntRange(1, MAX_TOKENS), default=512, help=None)
+@ubatch_option(type=click.IntRange(1, MAX_TOKENS), help="Physical batch (default: min(512, batch)).")
 @click.option("-tb", "--threads-batch", type=click.IntRange(1, 4096), help="Prompt threads (default: -t).")
-@click.option("-fa", "--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True)
+@flash_attn_option()
 @click.option("-ctk", "--cache-type-k", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True)
 @click.option("-ctv", "--cache-type-v", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True)
 @click.option("-ncmoe", "--n-cpu-moe", type=click.IntRange(0, 9999), default=0, show_default=True,
@@ -1098,7 +1139,6 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
                 ubatch, threads_batch, flash_attn, cache_type_k, cache_type_v, n_cpu_moe, fmt) -> None:
     """Noiseless pp and tg tokens/s of one configuration on a chip bin."""
     from workers import simulated
-    from workers.trial import BenchParams
 
     chip, shape = _sim_target(chip_text, model_shape, quant)
     params = BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch,
@@ -1108,7 +1148,7 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
         raise BadInput(params.kv_problem)
     pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario, depth=depth)
     record = {
-        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.name} {shape.quant}",
+        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "flags": params.llama_cpp_flags(),
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
         "fits": pred.fits, "reason": pred.reason, "simulated": True,
@@ -1118,7 +1158,7 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
 
 @sim.command("optimum")
 @sim_options
-@click.option("--objective", type=click.Choice(["tg", "pp", "e2e"]), default="tg", show_default=True)
+@objective_option(help=None)
 @output_options()
 def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth, scenario, objective,
                 fmt) -> None:
@@ -1130,7 +1170,7 @@ def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
     params, pred, value = simulated.optimum(chip, shape, objective, prompt_tokens, gen_tokens, scenario,
                                             depth=depth)
     record = {
-        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.name} {shape.quant}",
+        "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "objective": objective, "flags": params.llama_cpp_flags(),
         "value": round(value, 3), "unit": "s" if objective == "e2e" else "tok/s",
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),

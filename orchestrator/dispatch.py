@@ -103,7 +103,7 @@ class BenchNode:
         return agent.SIMULATE_LABEL in self.labels
 
 
-def _check_reachable(address: str) -> None:
+def check_reachable(address: str) -> None:
     """Fail fast with one line instead of letting ray.init retry an unreachable head for minutes."""
     if address in ("auto", "local") or address.startswith("ray://"):
         return
@@ -144,7 +144,7 @@ def connect(address: str | None, *, local_chip_key: str | None = None) -> bool:
     import ray
 
     if address:
-        _check_reachable(address)
+        check_reachable(address)
     if ray.is_initialized():  # a caller in this process already joined (tests, notebooks)
         current = ray.get_runtime_context().gcs_address
         if address and address not in ("auto", current):

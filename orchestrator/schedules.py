@@ -105,11 +105,11 @@ def learn_all(db: Database, model: ModelInfo | None = None) -> list[dict]:
                 continue
             latest = repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
             latest = [r for r in latest if r.chip_id == study.chip_id and r.n_prompt == study.n_prompt
-                      and r.n_gen == study.n_gen and r.simulated == draft.simulated]
+                      and r.n_gen == study.n_gen and r.depth == study.depth and r.simulated == draft.simulated]
             unchanged = latest and latest[0].params == draft.params.to_dict() and \
                 abs(latest[0].expected_tps - draft.expected_tps) <= 1e-9 * max(draft.expected_tps, 1)
             new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, study.objective,
-                                         study.n_prompt, study.n_gen, draft, source="learn")
+                                         study.n_prompt, study.n_gen, draft, source="learn", depth=study.depth)
             version = latest[0].version if unchanged else repo.add_recommendation(s, new).version
             rows.append({"study": study.name, "chip": study.chip.key, "objective": study.objective,
                          "flags": draft.params.llama_cpp_flags(), "expected_tps": draft.expected_tps,

@@ -6,7 +6,9 @@ Each dimension is searched only where it can change the objective on this target
   on the GPU); fixed at 0 on a CPU-only node.
 - threads: 1..performance cores where the chip says which cores those are (an Apple chip, a hybrid
   Intel): llama.cpp splits a step's work evenly, so a thread on an efficiency core (or a second
-  thread on a core) makes every step wait for the slowest one; 1..logical cores elsewhere.
+  thread on a core) makes every step wait for the slowest one; 1..logical cores elsewhere. Proposed
+  on a log scale: speed changes by ratios of threads (1 -> 2 as much as 8 -> 16), and the few-thread
+  end matters where CPU threads contend with the GPU (bench/search_efficiency.py, seed scenario).
 - threads_batch (prompt threads apart from generation threads): only where the objective measures
   the prompt (pp, e2e); tg never runs the batch threads.
 - batch, ubatch: powers of two from 32 up to the smallest of the prompt length rounded up, the
@@ -81,8 +83,8 @@ def moe_layout(model: ModelInfo) -> MoeLayout | None:
     from workers import simulated
 
     if simulated.is_sim_model(model.path):
-        shape = simulated.parse_sim_model(model.path)
-        if not getattr(shape, "n_expert", 0):
+        shape = simulated.as_sim_shape(simulated.parse_sim_model(model.path))
+        if not shape.n_expert:
             return None
         return MoeLayout(shape.n_expert, int(shape.bytes_of(shape.n_layer * shape.expert_params)))
     try:
@@ -117,6 +119,7 @@ class SearchSpace:
     cpu_moe_max: int = 0  # n_cpu_moe searched 0..this (trials with layers on the GPU); 0: not
     op_offload: bool = False  # op offload searched on/off
     tune_batch: bool = True  # batch and ubatch searched (False: llama.cpp's defaults, clipped)
+    threads_log: bool = False  # threads proposed on a log scale (1 -> 2 weighs as 8 -> 16)
 
     @classmethod
     def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: str = "tg",
@@ -141,6 +144,7 @@ class SearchSpace:
             cpu_moe_max=cpu_moe,
             op_offload=prompt and fp.gpu_offload,
             tune_batch=prompt,
+            threads_log=True,
         )
 
     def to_dict(self) -> dict:
@@ -169,7 +173,7 @@ class SearchSpace:
     def suggest(self, trial) -> BenchParams:
         """Ask an Optuna trial for one configuration in this space."""
         ngl = trial.suggest_int("ngl", 0, self.ngl_max) if self.ngl_max > 0 else 0
-        threads = trial.suggest_int("threads", 1, self.threads_max)
+        threads = trial.suggest_int("threads", 1, self.threads_max, log=self.threads_log)
         if self.tune_batch:
             batch = trial.suggest_categorical("batch", list(self.batch_choices))
             ubatch = min(trial.suggest_categorical("ubatch", list(self.batch_choices)), batch)
@@ -185,7 +189,7 @@ class SearchSpace:
             if values.get("flash_attn") == "on":  # a quantized V cache needs flash attention on
                 values["type_v"] = trial.suggest_categorical("type_v", list(self.cache_types))
         if self.threads_batch:
-            tb = trial.suggest_int("threads_batch", 1, self.threads_max)
+            tb = trial.suggest_int("threads_batch", 1, self.threads_max, log=self.threads_log)
             values["n_threads_batch"] = None if tb == threads else tb
         if self.cpu_moe_max > 0 and ngl > 0:
             values["n_cpu_moe"] = trial.suggest_int("cpu_moe", 0, self.cpu_moe_max)
@@ -368,6 +372,16 @@ def predicted_optimum(fp: Fingerprint, model: ModelInfo, n_prompt: int, n_gen: i
     except Exception:  # noqa: BLE001 - no prediction is a fine answer (unknown generation, no file...)
         return None
     return params
+
+
+def compact_cache(params: BenchParams, space: SearchSpace) -> BenchParams | None:
+    """``params`` with flash attention on and the most compact K and V cache the space has: at a
+    depth every generated token reads the whole cache, so its bytes are the first thing to cut.
+    None where the space searches neither (a stored older space)."""
+    if "on" not in space.fa_modes or not space.cache_types:
+        return None
+    smallest = space.cache_types[-1]  # CACHE_TYPES runs from the largest to the smallest
+    return replace(params, flash_attn="on", type_k=smallest, type_v=smallest)
 
 
 def full_offload(fp: Fingerprint, model: ModelInfo, space: SearchSpace) -> BenchParams | None:

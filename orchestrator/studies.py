@@ -35,10 +35,12 @@ from optuna.trial import TrialState
 from orchestrator import learn, lease
 from orchestrator.db import Database, repo
 from orchestrator.db.session import DatabaseUnavailable, engine_kwargs, retrying
+from orchestrator.db.storage import HeadStorage
 from orchestrator.dispatch import Dispatcher
 from orchestrator.samplers import SAMPLER_NAMES, grid_size, make_sampler, resolve_sampler
 from orchestrator.space import (
     SearchSpace,
+    compact_cache,
     full_offload,
     llama_cpp_defaults,
     llama_cpp_python_defaults,
@@ -46,7 +48,6 @@ from orchestrator.space import (
     predicted_optimum,
 )
 from orchestrator.stopping import StopRequest
-from orchestrator.storage import HeadStorage
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
@@ -498,18 +499,21 @@ class StudyRunner:
 
     def _enqueue_starts(self) -> None:
         """A new study first measures full offload (where the GPU can take layers), llama.cpp's
-        defaults as the space can say them and, on an Apple Silicon chip, the calibrated model's
-        predicted optimum; then the warm start configurations; then lets its sampler propose;
-        each distinct config once.
+        defaults as the space can say them, at a depth the same with flash attention on and the
+        most compact KV cache, and, on an Apple Silicon chip, the calibrated model's predicted
+        optimum; then the warm start configurations; then lets its sampler propose; each
+        distinct config once.
 
         The first design is where the optimum usually is on Apple Silicon (every layer on the
         GPU): bench/search_efficiency.py measures what each part of it saves."""
         fp, w = self.target.fingerprint, self.cfg.workload
         reference = full_offload(fp, self.cfg.model, self.space)
         defaults = self.baselines[learn.LLAMA_CPP]
+        compact = compact_cache(defaults, self.space) if w.depth else None
         prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, str(self.objective))
         seen = set()
-        for params in [p for p in (reference, defaults, prediction, *self.cfg.warm_start) if p is not None]:
+        for params in [p for p in (reference, defaults, compact, prediction, *self.cfg.warm_start)
+                       if p is not None]:
             values = self.space.optuna_params(self.space.clip(params))
             key = tuple(sorted(values.items()))
             if key not in seen:
@@ -826,28 +830,9 @@ class StudyRunner:
 
         def work(s):
             study = repo.get_study(s, self.name)
-            rec = repo.add_recommendation(
-                s,
-                chip_id=study.chip_id,
-                model_id=study.model_id,
-                study_id=study.id,
-                objective=str(self.objective),
-                n_prompt=w.n_prompt,
-                n_gen=w.n_gen,
-                depth=w.depth,
-                baselines=draft.baselines or None,
-                params=draft.params.to_dict(),
-                expected_tps=draft.expected_tps,
-                interval_low=draft.interval_low,
-                interval_high=draft.interval_high,
-                expected_pp_tps=draft.expected_pp_tps,
-                expected_tg_tps=draft.expected_tg_tps,
-                baseline_tps=draft.baseline_tps,
-                improvement=draft.improvement,
-                evidence=draft.evidence,
-                simulated=draft.simulated,
-            )
-            return rec.version
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, str(self.objective),
+                                         w.n_prompt, w.n_gen, draft, depth=w.depth)
+            return repo.add_recommendation(s, new).version
 
         return draft, self._transaction(work)
 

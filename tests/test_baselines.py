@@ -101,6 +101,8 @@ def test_a_workload_with_a_depth_is_its_own_study(sqlite_url):
     deep = runner(sqlite_url, workload=Workload(512, 128, 1, depth=2048), n_trials=4)
     deep.run()
     assert deep.name.endswith("-d2048")
+    first = _search_params(deep.db, deep.name)[:4]
+    assert any((p.flash_attn, p.type_k, p.type_v) == ("on", "q4_0", "q4_0") for p in first)  # the compact guess
     with deep.db.session() as s:
         assert repo.get_study(s, deep.name).depth == 2048
     flat = runner(sqlite_url, n_trials=4)
@@ -137,3 +139,48 @@ def test_the_history_plot_draws_both_baselines_as_levels_to_beat(sqlite_url):
     assert set(levels) == {learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP}
     assert levels[learn.LLAMA_CPP] > levels[learn.LLAMA_CPP_PYTHON]  # every layer on the GPU
     assert levels == pytest.approx(outcome.recommendation.baselines, rel=0.1)
+
+
+def _search_params(db, name: str) -> list[BenchParams]:
+    with db.session() as s:
+        study = repo.get_study(s, name)
+        return [BenchParams.from_dict(t.params) for t in repo.study_trials(s, study.id, "search")]
+
+
+def test_tune_searches_the_new_dimensions_on_a_simulated_mac_at_a_depth(sqlite_url, ray_cluster):
+    from orchestrator.tune import tune
+    from tests.conftest import SIM_CHIPS
+
+    db = open_database(sqlite_url)
+    model = simulated.sim_model_info("sim://llama3-8b/q4_k_m")
+    cfg = StudyConfig(model=model, n_trials=16, seed=2, objective="e2e",
+                      workload=Workload(n_prompt=512, n_gen=64, reps=1, depth=4096))
+    outcome = tune(db, cfg, chip_key=SIM_CHIPS["M2 Ultra/76"], warm=False)
+    tried = _search_params(db, outcome.name)
+    assert {p.flash_attn for p in tried} == {"off", "on", "auto"}
+    assert {p.type_k for p in tried} > {"f16"} and {p.type_v for p in tried} > {"f16"}
+    assert len({p.n_threads_batch for p in tried}) > 2  # e2e: the prompt's threads apart
+    assert all(p.kv_problem is None for p in tried)
+    rec = outcome.recommendation
+    assert set(rec.baselines) == {learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP}
+    assert rec.expected_tps >= max(rec.baselines.values())
+    with db.session() as s:
+        assert repo.get_study(s, outcome.name).depth == 4096
+
+
+def test_tune_searches_the_new_dimensions_on_this_cpu_with_the_real_model(sqlite_url, model_info,
+                                                                          local_fingerprint, ray_cluster):
+    from orchestrator.tune import tune
+
+    db = open_database(sqlite_url)
+    cfg = StudyConfig(model=model_info, n_trials=8, seed=1, confirm_top=1, objective="e2e",
+                      workload=Workload(n_prompt=64, n_gen=16, reps=1, depth=128))
+    outcome = tune(db, cfg, chip_key=local_fingerprint.chip_key, warm=False)
+    tried = _search_params(db, outcome.name)
+    assert len({(p.flash_attn, p.type_k, p.type_v) for p in tried}) > 2
+    assert all(p.n_gpu_layers == 0 for p in tried)  # a CPU-only build
+    rec = outcome.recommendation
+    assert rec is not None and set(rec.baselines) == {learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP}
+    assert rec.expected_tps >= max(rec.baselines.values())
+    flags = rec.params.llama_cpp_flags()
+    assert BenchParams.from_llama_flags(flags, model_info.n_layer) == rec.params  # flags llama.cpp reads back

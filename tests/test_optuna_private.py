@@ -1,7 +1,7 @@
 """Optuna internals fleettune relies on, checked against the installed Optuna: a newer release that
 changes one fails here, naming the private symbol, before a fleet breaks silently.
 
-HeadStorage (orchestrator/storage.py) writes Optuna's tables through ``optuna.storages._rdb.models``;
+HeadStorage (orchestrator/db/storage.py) writes Optuna's tables through ``optuna.storages._rdb.models``;
 RoundTPESampler (orchestrator/samplers.py) overrides and calls private TPE methods. Both modules list
 what they rely on; pyproject pins the Optuna versions on which these checks and the storage and
 sampler tests pass.
@@ -15,7 +15,8 @@ import optuna
 import pytest
 from optuna.samplers import TPESampler
 
-from orchestrator import samplers, storage
+from orchestrator import samplers
+from orchestrator.db import storage
 
 VERSION = f"Optuna {optuna.__version__}"
 

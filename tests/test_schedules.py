@@ -118,8 +118,8 @@ def test_a_new_study_measures_the_warm_start_first(fleet_db):
 
 
 def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_changes(sqlite_url):
-    """A study on the in-process fleet stores its recommendation (keyword form); the typed
-    NewRecommendation that `schedule learn` writes carries every column the same."""
+    """A study on the in-process fleet stores its recommendation; the NewRecommendation that
+    `schedule learn` writes from the same evidence carries every column the same (one typed copy)."""
     from functools import partial
 
     from orchestrator import learn

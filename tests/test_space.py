@@ -13,6 +13,7 @@ import pytest
 from orchestrator.space import (
     MoeLayout,
     SearchSpace,
+    compact_cache,
     full_offload,
     llama_cpp_defaults,
     llama_cpp_python_defaults,
@@ -83,7 +84,7 @@ def test_the_size_counts_each_dimension_with_its_condition():
 def test_a_stored_space_of_an_older_study_searches_what_it_searched():
     old = {"ngl_max": 33, "threads_max": 10, "batch_choices": [32, 64, 128, 256, 512], "flash_attn": False}
     space = SearchSpace.from_dict(old)
-    assert space.fa_modes == () and space.cache_types == () and space.tune_batch
+    assert space.fa_modes == () and space.cache_types == () and space.tune_batch and not space.threads_log
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(20):
         params = space.suggest(study.ask())
@@ -161,3 +162,12 @@ def test_the_grid_spans_each_axis_within_its_bounds():
     study = optuna.create_study(sampler=optuna.samplers.GridSampler(grid, seed=0))
     for _ in range(5):
         assert space.suggest(study.ask()).kv_problem is None
+
+
+def test_the_compact_cache_guess_is_flash_attention_on_with_the_smallest_types():
+    space = SearchSpace.for_target(simulated.parse_chip("M2 Max/38"), MODEL, 512)
+    guess = compact_cache(BenchParams(33, 8, 512, 512, flash_attn="auto"), space)
+    assert (guess.flash_attn, guess.type_k, guess.type_v) == ("on", "q4_0", "q4_0")
+    assert guess.kv_problem is None and space.clip(guess) == guess
+    old = SearchSpace.from_dict({"ngl_max": 33, "threads_max": 8, "batch_choices": [512]})
+    assert compact_cache(guess, old) is None

@@ -10,28 +10,38 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from orchestrator.db import open_database
-from orchestrator.storage import HeadStorage
+from orchestrator.db.storage import HeadStorage
 
 
-def play(study: optuna.Study) -> None:
-    """The same calls on any storage: every kind of parameter, value, attribute and state."""
+def play(study: optuna.Study, between=lambda: None) -> None:
+    """The same calls on any storage: every kind of parameter, value, attribute and state;
+    ``between`` runs after each call (a flush, for the head: each write then changes a written trial)."""
     study.enqueue_trial({"ngl": 7, "threads": 3, "batch": 256, "lr": 0.5})
     values = [12.5, math.inf, None, -3.25, 40.0]
     for i, value in enumerate(values):
         trial = study.ask()
+        between()
         trial.suggest_int("ngl", 0, 33)
+        between()
         trial.suggest_int("threads", 1, 16, log=True)
         trial.suggest_categorical("batch", [128, 256, 512])
+        between()
         trial.suggest_float("lr", 0.01, 1.0)
         trial.set_user_attr("node", f"node-{i}")
+        between()
         trial.report(float(i), step=i)
+        between()
+        study._storage.set_trial_system_attr(trial._trial_id, "probe", i)
+        between()
         if value is None:
             study.tell(trial, state=TrialState.FAIL)
         else:
             study.tell(trial, value)
+        between()
     running = study.ask()  # left running, as a killed driver leaves it
     running.suggest_int("ngl", 0, 33)
     study.enqueue_trial({"ngl": 1, "threads": 1, "batch": 128, "lr": 0.1})  # left waiting
+    between()
 
 
 def same(a: optuna.trial.FrozenTrial, b: optuna.trial.FrozenTrial) -> None:
@@ -76,6 +86,24 @@ def test_what_the_head_writes_reads_back_like_rdb_storage(url):
     head_storage.flush()
     again = optuna.load_study(study_name="head", storage=url).trials
     assert len(again) == len(expected) and again[5].state == TrialState.COMPLETE and again[5].value == 1.0
+
+
+def test_flushed_after_every_call_the_head_writes_what_rdb_storage_writes(url):
+    """Each flush writes only what changed since the last (a finished trial: its row and values);
+    what lands is the same as when everything is written at once."""
+    sampler = optuna.samplers.RandomSampler
+    plain = optuna.create_study(study_name="plain", storage=RDBStorage(url), sampler=sampler(seed=3))
+    head_storage = HeadStorage(RDBStorage(url))
+    head = optuna.create_study(study_name="head", storage=head_storage, sampler=sampler(seed=3))
+    play(plain)
+    flushes = []
+    play(head, between=lambda: flushes.append(head_storage.flush()))
+    assert head_storage.pending() == 0 and sum(flushes) > 7 * 2
+    expected = optuna.load_study(study_name="plain", storage=url).trials
+    written = optuna.load_study(study_name="head", storage=url).trials
+    assert len(written) == len(expected)
+    for a, b in zip(written, expected, strict=True):
+        same(a, b)
 
 
 def test_a_new_head_continues_the_numbers_it_reads(url):

@@ -22,6 +22,8 @@ def test_tiny_shape_metadata(tiny_model, model_info):
     assert tiny_model.architecture == "llama"
     assert tiny_model.n_layer == shape.n_layer
     assert tiny_model.n_embd == shape.n_embd
+    assert (tiny_model.n_ff, tiny_model.n_head, tiny_model.n_head_kv) == (shape.n_ff, shape.n_head, shape.n_head_kv)
+    assert not tiny_model.tied_embeddings  # the writer emits output.weight
     assert tiny_model.file_type == "Q4_0"
     assert tiny_model.n_vocab == model_info.n_vocab  # the tokenizer is the real model's
     assert tiny_model.n_params == sum(t.n_elements for t in synth_plan(shape, "q4_0", model_info.n_vocab))

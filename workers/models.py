@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,9 +29,23 @@ if TYPE_CHECKING:  # numpy is imported lazily: see _random_tensor
 GGUF_MAGIC = b"GGUF"
 
 
+# Effective bits per weight of llama.cpp's file types.
+QUANT_BPW = {
+    "f16": 16.0, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q5_0": 5.5, "q5_1": 6.0,
+    "q4_k_m": 4.89, "q4_k_s": 4.58, "q4_1": 5.0, "q4_0": 4.5, "q3_k_m": 3.91, "q2_k": 3.35,
+}
+SIM_SCHEME = "sim://"  # a named shape with no file behind it: "sim://llama3-8b/q4_k_m"
+SHAPE_DETAILS = ("n_ff", "n_head", "n_head_kv", "rope_theta", "norm_eps", "tied_embeddings")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
-    """What fleettune needs to know about a GGUF file."""
+    """A model: the one record of its identity (a GGUF file's sha256, or a named shape's) and its
+    shape. What the simulator and the synthetic writer need follows from it as properties.
+
+    The shape fields past ``n_vocab`` are read from a GGUF's metadata; a row of the results
+    database does not keep them (None), as it keeps only what identifies and sizes the file.
+    """
 
     sha256: str
     path: str
@@ -44,9 +58,60 @@ class ModelInfo:
     context_length: int | None
     n_embd: int | None = None
     n_vocab: int | None = None
+    n_ff: int | None = None
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False  # output projection shares the token embedding (small models)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def summary(self) -> dict:
+        """What the ``model`` commands print: identity, size and the main dimensions (the layout
+        details past ``n_vocab`` are the simulator's and the writer's, and no row keeps them)."""
+        return {key: value for key, value in asdict(self).items() if key not in SHAPE_DETAILS}
+
+    # -- the shape's views (the simulator's and the synthetic writer's)
+
+    @property
+    def quant(self) -> str:
+        """The file type as the simulator's table names it ("q4_k_m"); an unknown one counts as q4_0."""
+        quant = self.file_type.lower()
+        return quant if quant in QUANT_BPW else "q4_0"
+
+    @property
+    def shape_name(self) -> str:
+        """A named shape's name ("llama2-7b"), else the file's."""
+        if self.path.startswith(SIM_SCHEME):
+            return self.path.removeprefix(SIM_SCHEME).partition("/")[0]
+        return self.name
+
+    @property
+    def bpw(self) -> float:
+        return QUANT_BPW[self.quant]
+
+    @property
+    def layer_params(self) -> int:
+        kv = self.n_embd * self.n_embd * self.n_head_kv // self.n_head
+        return 2 * self.n_embd * self.n_embd + 2 * kv + 3 * self.n_embd * self.n_ff
+
+    @property
+    def output_params(self) -> int:
+        return self.n_vocab * self.n_embd
+
+    @property
+    def weight_params(self) -> int:
+        """The weights of the llama layout (what the simulator streams), from the shape alone."""
+        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
+
+    def bytes_of(self, params: float) -> float:
+        return params * self.bpw / 8
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.bytes_of(self.weight_params)
 
 
 @dataclass(frozen=True)
@@ -124,6 +189,7 @@ def read_model_info(path: str | os.PathLike, sha256: str | None = None) -> Model
             raise ValueError("missing general.architecture or block_count")
         n_params = sum(int(t.n_elements) for t in reader.tensors)
         tokens = reader.fields.get("tokenizer.ggml.tokens")
+        n_head = _opt_int(_field(reader, f"{arch}.attention.head_count"))
         info = ModelInfo(
             sha256=sha256 or sha256_file(file),
             path=str(file.resolve()),
@@ -136,6 +202,10 @@ def read_model_info(path: str | os.PathLike, sha256: str | None = None) -> Model
             context_length=_opt_int(_field(reader, f"{arch}.context_length")),
             n_embd=_opt_int(_field(reader, f"{arch}.embedding_length")),
             n_vocab=len(tokens.data) if tokens is not None else None,
+            n_ff=_opt_int(_field(reader, f"{arch}.feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=_opt_int(_field(reader, f"{arch}.attention.head_count_kv")) or n_head,
+            tied_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         )
     except BadInput:
         raise
@@ -211,63 +281,30 @@ def _atomic_copy(src: Path, dest: Path) -> None:
 # without downloading it. The tokenizer comes from a real GGUF so the file loads and decodes.
 
 
-# Effective bits per weight of llama.cpp's file types.
-QUANT_BPW = {
-    "f16": 16.0, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q5_0": 5.5, "q5_1": 6.0,
-    "q4_k_m": 4.89, "q4_k_s": 4.58, "q4_1": 5.0, "q4_0": 4.5, "q3_k_m": 3.91, "q2_k": 3.35,
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A llama-architecture model's shape: the one record its tensors (the synthetic writer), its
-    size and its speed (the simulator) follow from. Named shapes leave ``name``/``quant`` to the
-    caller (``dataclasses.replace``); a GGUF file's shape is read from its metadata."""
-
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_vocab: int
-    n_ctx: int = 4096
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    name: str = ""
-    quant: str = "q4_0"
-    tied_embeddings: bool = False  # output projection shares the token embedding (small models)
-
-    @property
-    def bpw(self) -> float:
-        return QUANT_BPW[self.quant]
-
-    @property
-    def layer_params(self) -> float:
-        kv = self.n_embd * self.n_embd * self.n_head_kv // self.n_head
-        return 2 * self.n_embd * self.n_embd + 2 * kv + 3 * self.n_embd * self.n_ff
-
-    @property
-    def output_params(self) -> float:
-        return self.n_vocab * self.n_embd
-
-    @property
-    def n_params(self) -> float:
-        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
-
-    def bytes_of(self, params: float) -> float:
-        return params * self.bpw / 8
-
-    @property
-    def file_bytes(self) -> float:
-        return self.bytes_of(self.n_params)
+def arch_shape(n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, n_vocab: int,
+               context_length: int, rope_theta: float) -> ModelInfo:
+    """A llama architecture's shape with no file behind it (``named_model`` gives it an identity)."""
+    shape = ModelInfo(sha256="", path="", name="", architecture="llama", n_layer=n_layer, n_params=0,
+                      file_type="F16", size_bytes=0, context_length=context_length, n_embd=n_embd,
+                      n_vocab=n_vocab, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rope_theta=rope_theta)
+    return replace(shape, n_params=shape.weight_params)
 
 
 ARCH_SHAPES = {
-    "llama2-7b": ModelShape(32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
-    "llama3-8b": ModelShape(32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
-    "llama2-13b": ModelShape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
-    "tiny": ModelShape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
+    "llama2-7b": arch_shape(32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+    "llama3-8b": arch_shape(32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+    "llama2-13b": arch_shape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
+    "tiny": arch_shape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
 }
+
+
+def named_model(name: str, quant: str) -> ModelInfo:
+    """A named shape at a quantisation, as a model with a stable identity (sha256 of its sim:// name)."""
+    shape = ARCH_SHAPES[name]
+    canonical = f"{SIM_SCHEME}{name}/{quant}"
+    named = replace(shape, sha256=hashlib.sha256(canonical.encode()).hexdigest(), path=canonical,
+                    name=f"{name}-{quant}", file_type=quant.upper())
+    return replace(named, size_bytes=int(named.weight_bytes))
 
 # Bytes of one block and values per block, for the types the writer emits (ggml's layouts).
 _BLOCKS = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q6_k": (210, 256)}
@@ -295,7 +332,7 @@ class TensorPlan:
         return self.n_elements // block_values * block_bytes
 
 
-def synth_plan(shape: ModelShape, quant: str, n_vocab: int | None = None) -> list[TensorPlan]:
+def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list[TensorPlan]:
     """The tensors llama.cpp's quantizer would write for this shape, in its type choices.
 
     Like ``llama-quantize``: norms stay f32, the output projection of a 4-bit file is Q6_K (Q8_0
@@ -403,7 +440,7 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
         writer.add_file_type(_FILE_TYPES[quant.lower()])
         if quant.lower() != "f16":
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.add_context_length(shape.n_ctx)
+        writer.add_context_length(shape.context_length)
         writer.add_embedding_length(shape.n_embd)
         writer.add_block_count(shape.n_layer)
         writer.add_feed_forward_length(shape.n_ff)

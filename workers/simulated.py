@@ -18,10 +18,12 @@ simulated and never mixed with real measurements. It predicts pp and tg tokens/s
   per element from the cache type: f16 2, q8_0 34/32, q4_0 18/32), and every prompt token attends
   to the depth and the prompt before it (compute). Flash attention reads the cache at its own
   fitted efficiency; without it llama.cpp writes and reads the n_head x context score matrix in
-  f32 and runs a few more kernels per layer. Where the model's attention has no flash-attention
-  kernel on the GPU (Gemma 2's logit soft-capping, at the time of the public row), "on" runs the
-  attention op on the CPU: two hand-overs per layer and the attention's compute on CPU threads;
-  "auto" then means off, as llama.cpp's auto does for an unsupported op.
+  f32 and runs a few more kernels per layer (it is assumed to read the cache no faster than the
+  flash-attention kernel: no public Metal row measures -fa 0 at a depth). Where the model's
+  attention has no flash-attention kernel on the GPU (Gemma 2's logit soft-capping, at the time
+  of the public row), "on" runs the attention op on the CPU: two hand-overs per layer and the
+  attention's compute on CPU threads; "auto" then means off, as llama.cpp's auto does for an
+  unsupported op.
 - Mixture of experts: a token reads only its experts' weights; ``n_cpu_moe`` keeps the expert
   tensors of the first layers in host memory, so their bytes go through the CPU's bandwidth and
   threads; the GPU's working set shrinks by the same bytes.
@@ -46,10 +48,11 @@ interior offload of about 24 of 32 layers beats full offload).
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import random
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 
@@ -57,7 +60,15 @@ import numpy as np
 
 from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint, apple_bins, chip_table
-from workers.models import ARCH_SHAPES, QUANT_BPW, ModelShape
+from workers.models import (
+    ARCH_SHAPES,
+    QUANT_BPW,
+    SIM_SCHEME,
+    ModelInfo,
+    arch_shape,
+    named_model,
+    read_model_info,
+)
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
 
 # Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
@@ -131,11 +142,20 @@ def all_chips() -> list[Fingerprint]:
 
 
 @dataclass(frozen=True)
-class SimShape(ModelShape):
-    """A model shape with what the newer dimensions need: the attention's head size (Qwen 3 and
-    Gemma 2 have heads wider than n_embd / n_head), experts, and whether the GPU has a
-    flash-attention kernel for the model's attention."""
+class SimShape:
+    """What the simulator needs of a model: its layout (from a ``ModelInfo``), and what the newer
+    dimensions need beyond it: the attention's head size (Qwen 3 and Gemma 2 have heads wider than
+    n_embd / n_head), experts, and whether the GPU has a flash-attention kernel for the model's
+    attention. Named shapes the simulator alone knows carry these in ``SIM_SHAPES``."""
 
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    quant: str = "q4_0"
+    tied_embeddings: bool = False
     head_dim: int = 0  # 0: n_embd / n_head
     n_expert: int = 0
     n_expert_used: int = 0
@@ -169,105 +189,95 @@ class SimShape(ModelShape):
         return self.layer_params - self.expert_params * (1 - self.n_expert_used / self.n_expert)
 
     @property
+    def output_params(self) -> float:
+        return self.n_vocab * self.n_embd
+
+    @property
+    def n_params(self) -> float:
+        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
+
+    @property
     def kv_elements(self) -> int:
         """K (or V) values one position stores in one layer."""
         return self.n_head_kv * self.hd
 
+    def bytes_of(self, params: float) -> float:
+        return params * QUANT_BPW[self.quant] / 8
 
-def as_sim_shape(shape: ModelShape) -> SimShape:
-    """Any shape as a SimShape (a plain ModelShape: dense, heads of n_embd / n_head)."""
+    @property
+    def file_bytes(self) -> float:
+        return self.bytes_of(self.n_params)
+
+
+# Shapes only the simulator knows (for the public rows of the newer dimensions): name -> (the
+# llama layout as ``arch_shape`` takes it, the simulator's extras).
+SIM_SHAPES = {
+    "qwen3-0.6b": ((28, 1024, 3072, 16, 8, 151936, 40960, 1e6), {"tied_embeddings": True, "head_dim": 128}),
+    "qwen3-30b-a3b": ((48, 2048, 6144, 32, 4, 151936, 40960, 1e6),
+                      {"head_dim": 128, "n_expert": 128, "n_expert_used": 8, "n_ff_exp": 768}),
+    # logit soft-capping: no Metal flash-attention kernel at the build of the public row
+    "gemma2-2b": ((26, 2304, 9216, 8, 4, 256000, 8192, 10000.0),
+                  {"tied_embeddings": True, "head_dim": 256, "fa_on_gpu": False}),
+}
+NAMED_SHAPES = (*(name for name in ARCH_SHAPES if name != "tiny"), *SIM_SHAPES)
+
+
+def as_sim_shape(shape: ModelInfo | SimShape) -> SimShape:
+    """A model as the simulator sees it (a file's or an unknown shape: dense, heads of n_embd / n_head)."""
     if isinstance(shape, SimShape):
         return shape
-    return SimShape(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)})
+    extras = SIM_SHAPES.get(shape.shape_name, (None, {}))[1] if is_sim_model(shape.path) else {}
+    return SimShape(n_layer=shape.n_layer, n_embd=shape.n_embd, n_ff=shape.n_ff, n_head=shape.n_head,
+                    n_head_kv=shape.n_head_kv, n_vocab=shape.n_vocab, quant=shape.quant,
+                    tied_embeddings=extras.get("tied_embeddings", shape.tied_embeddings),
+                    **{k: v for k, v in extras.items() if k != "tied_embeddings"})
 
 
-# Shapes only the simulator knows (for the public rows of the newer dimensions).
-SIM_SHAPES = {
-    "qwen3-0.6b": SimShape(28, 1024, 3072, 16, 8, 151936, 40960, 1e6, tied_embeddings=True, head_dim=128),
-    "qwen3-30b-a3b": SimShape(48, 2048, 6144, 32, 4, 151936, 40960, 1e6, head_dim=128, n_expert=128,
-                              n_expert_used=8, n_ff_exp=768),
-    "gemma2-2b": SimShape(26, 2304, 9216, 8, 4, 256000, 8192, 10000.0, tied_embeddings=True, head_dim=256,
-                          fa_on_gpu=False),  # logit soft-capping: no Metal FA kernel at the row's build
-}
-NAMED_SHAPES = {**{name: shape for name, shape in ARCH_SHAPES.items() if name != "tiny"}, **SIM_SHAPES}
-
-
-def model_shape(name: str, quant: str) -> ModelShape:
+def model_shape(name: str, quant: str) -> ModelInfo:
+    """A named shape at a quantisation (no file behind it)."""
     quant = quant.lower()
     if name not in NAMED_SHAPES:
         raise BadInput(f"unknown model shape {name!r}; known: {', '.join(NAMED_SHAPES)}")
     if quant not in QUANT_BPW:
         raise BadInput(f"unknown quantisation {quant!r}; known: {', '.join(QUANT_BPW)}")
-    return replace(NAMED_SHAPES[name], name=name, quant=quant)
+    if name not in SIM_SHAPES:
+        return named_model(name, quant)
+    layout, extras = SIM_SHAPES[name]
+    canonical = f"{SIM_SCHEME}{name}/{quant}"
+    info = replace(arch_shape(*layout), sha256=hashlib.sha256(canonical.encode()).hexdigest(), path=canonical,
+                   name=f"{name}-{quant}", file_type=quant.upper(),
+                   tied_embeddings=extras.get("tied_embeddings", False))
+    sim = as_sim_shape(info)  # experts and wide heads: the parameters the llama layout leaves out
+    return replace(info, n_params=int(sim.n_params), size_bytes=int(sim.file_bytes))
 
 
-def shape_from_gguf(path: str) -> ModelShape:
-    """The shape of a real GGUF file (its metadata), for predictions about that file."""
-    import gguf
-
-    from workers.models import read_model_info
-
+def shape_from_gguf(path: str) -> ModelInfo:
+    """A real GGUF file's record, with what the simulator assumes where its metadata is silent."""
     info = read_model_info(path)
-    reader = gguf.GGUFReader(path)
-    arch = info.architecture
-
-    def field(key, default=None):
-        f = reader.fields.get(f"{arch}.{key}")
-        return int(f.contents()) if f is not None else default
-
-    n_head = field("attention.head_count", 1)
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    quant = info.file_type.lower()
-    if quant not in QUANT_BPW:
-        quant = "q4_0"
-    return ModelShape(
-        name=info.name, n_layer=info.n_layer, n_embd=field("embedding_length"),
-        n_ff=field("feed_forward_length"), n_head=n_head,
-        n_head_kv=field("attention.head_count_kv", n_head), n_vocab=info.n_vocab or 32000,
-        n_ctx=info.context_length or 4096, quant=quant, tied_embeddings=tied,
-    )
-
-
-SIM_SCHEME = "sim://"
+    n_head = info.n_head or 1
+    return replace(info, n_head=n_head, n_head_kv=info.n_head_kv or n_head, n_vocab=info.n_vocab or 32000,
+                   context_length=info.context_length or 4096)
 
 
 def is_sim_model(ref: str) -> bool:
     return ref.startswith(SIM_SCHEME)
 
 
-def parse_sim_model(ref: str) -> ModelShape:
+def parse_sim_model(ref: str) -> ModelInfo:
     """"sim://llama3-8b/q4_k_m": a named shape and quantisation, no file behind it."""
     name, _, quant = ref.removeprefix(SIM_SCHEME).partition("/")
     return model_shape(name, quant or "q4_0")
 
 
 @cache
-def shape_for_path(path: str) -> ModelShape:
-    """The shape a simulated node benchmarks for a trial's model (named, or a GGUF's metadata)."""
+def shape_for_path(path: str) -> ModelInfo:
+    """The model a simulated node benchmarks for a trial (named, or a GGUF's metadata)."""
     return parse_sim_model(path) if is_sim_model(path) else shape_from_gguf(path)
 
 
-def sim_model_info(ref: str):
-    """A ModelInfo for a named shape, with a stable identity (sha256 of its name)."""
-    import hashlib
-
-    from workers.models import ModelInfo
-
-    shape = parse_sim_model(ref)
-    canonical = f"{SIM_SCHEME}{shape.name}/{shape.quant}"
-    return ModelInfo(
-        sha256=hashlib.sha256(canonical.encode()).hexdigest(),
-        path=canonical,
-        name=f"{shape.name}-{shape.quant}",
-        architecture="llama",
-        n_layer=shape.n_layer,
-        n_params=int(shape.n_params),
-        file_type=shape.quant.upper(),
-        size_bytes=int(shape.file_bytes),
-        context_length=shape.n_ctx,
-        n_embd=shape.n_embd,
-        n_vocab=shape.n_vocab,
-    )
+def sim_model_info(ref: str) -> ModelInfo:
+    """The model a sim:// reference names, as the orchestrator registers it."""
+    return parse_sim_model(ref)
 
 
 # ---------------------------------------------------------------- calibration
@@ -484,7 +494,7 @@ def _flash(params: BenchParams, shape: SimShape, on_gpu: bool) -> str:
 
 
 def predict(
-    chip: Fingerprint, shape: ModelShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
+    chip: Fingerprint, shape: ModelInfo | SimShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
     scenario: str = "calibrated", depth: int = 0, dims: DimConstants | None = None,
 ) -> Prediction:
     """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload),
@@ -549,8 +559,8 @@ def predict(
     scores = shape.n_head * 4 * 4  # f32 scores written and read twice each, per position (no FA)
     if fa_gpu == "on":
         attn_tg = kv_read / (bw * d.fa_kv_efficiency) - kv_read_cal / gpu_bw - d.nofa_tg_s_per_layer
-    else:
-        attn_tg = (kv_read - kv_read_cal) / gpu_bw + scores * (ctx_tg - CAL_TG_CTX) / gpu_bw
+    else:  # the cache read no faster than the flash-attention kernel reads it, and the scores
+        attn_tg = (kv_read - kv_read_cal) / (bw * d.fa_kv_efficiency) + scores * (ctx_tg - CAL_TG_CTX) / gpu_bw
         if fa_gpu == "cpu":
             attn_tg += 2 * d.fa_cpu_handover_s
 
@@ -608,7 +618,7 @@ def predict(
     return Prediction(pp_tps=1 / t_pp, tg_tps=1 / t_tg, gpu_bytes=need, fits=True)
 
 
-def search_grid(chip: Fingerprint, shape: ModelShape, batch_choices=(128, 256, 512, 1024, 2048), depth: int = 0):
+def search_grid(chip: Fingerprint, shape: ModelInfo, batch_choices=(128, 256, 512, 1024, 2048), depth: int = 0):
     """Every configuration of the exhaustive grid (ngl x threads x batch x flash attention;
     ubatch = min(512, b)); at a depth also the KV cache types (K = V, quantized only with FA on)."""
     caches = [("f16", "f16")]
@@ -625,7 +635,7 @@ def search_grid(chip: Fingerprint, shape: ModelShape, batch_choices=(128, 256, 5
                                           n_ubatch=min(512, batch), flash_attn=fa, type_k=type_k, type_v=type_v)
 
 
-def optimum(chip: Fingerprint, shape: ModelShape, objective: str = "tg", n_prompt: int = 512,
+def optimum(chip: Fingerprint, shape: ModelInfo, objective: str = "tg", n_prompt: int = 512,
             n_gen: int = 128, scenario: str = "calibrated", depth: int = 0) -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
     from workers.objective import objective as named_objective
@@ -641,7 +651,7 @@ def optimum(chip: Fingerprint, shape: ModelShape, objective: str = "tg", n_promp
         if better:
             best = (params, pred, value)
     if best is None:
-        raise BadInput(f"{shape.name} does not fit on {chip.label} in any configuration")
+        raise BadInput(f"{shape.shape_name} does not fit on {chip.label} in any configuration")
     return best
 
 
@@ -661,7 +671,7 @@ class SimulatedNode:
     """A simulated Mac: measures through the model, with noise, heat and simulated time."""
 
     chip: Fingerprint
-    shape_for: callable = None  # model path -> ModelShape
+    shape_for: callable = None  # model path -> ModelInfo
     scenario: str = "calibrated"
     noise_cv: float = 0.03
     time_scale: float = 0.0  # seconds slept per simulated second (0: instant)
@@ -699,7 +709,8 @@ class SimulatedNode:
                                        started_at=started, finished_at=time.time())
         rng = random.Random(f"{self.seed}:{spec.trial_key}:{spec.params}")
         throttle = self.THROTTLE_FACTOR if (fanless(self.chip) and self.heat > self.THROTTLE_AFTER_S) else 1.0
-        samples, sim_seconds = [], shape.file_bytes / 5e9  # load from SSD at ~5 GB/s
+        load_s = as_sim_shape(shape).file_bytes / 5e9  # load from SSD at ~5 GB/s
+        samples, sim_seconds = [], load_s
         for kind, n_tokens, rate in (("pp", w.n_prompt, pred.pp_tps), ("tg", w.n_gen, pred.tg_tps)):
             if n_tokens <= 0:
                 continue
@@ -714,7 +725,7 @@ class SimulatedNode:
         elif self.time_scale > 0:
             time.sleep(sim_seconds * self.time_scale)  # the trial's duration, scaled; not synchronisation
         return TrialResult(
-            trial_key=spec.trial_key, ok=True, samples=samples, load_s=shape.file_bytes / 5e9,
+            trial_key=spec.trial_key, ok=True, samples=samples, load_s=load_s,
             peak_rss_bytes=int(pred.gpu_bytes), thermal_before="nominal",
             thermal_after="fair" if throttle < 1 else "nominal", started_at=started,
             finished_at=time.time(), measure_s=sim_seconds, simulated=True,

@@ -335,11 +335,7 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
         rows.append(row)
         samples += [{"trial_id": f.trial_id, "kind": s.kind, "rep": s.rep, "n_tokens": s.n_tokens,
                      "seconds": s.seconds} for s in r.samples]
-    by_shape: dict[tuple, list[dict]] = {}  # one executemany per set of columns
-    for row in rows:
-        by_shape.setdefault(tuple(sorted(row)), []).append(row)
-    for group in by_shape.values():
-        session.execute(update(Trial), group)
+    _update_trials(session, rows)
     if samples:
         session.execute(insert(SampleRow), samples)
 
@@ -359,7 +355,13 @@ def set_trials_llama_bench_stats(session: Session, stats: dict[int, dict[str, tu
         for kind, (mean, stddev) in by_kind.items():
             row |= {f"{kind}_tps_mean": mean, f"{kind}_tps_stddev": stddev, f"{kind}_cv": stddev / mean if mean else None}
         rows.append(row)
-    by_shape: dict[tuple, list[dict]] = {}  # one executemany per set of columns
+    _update_trials(session, rows)
+
+
+def _update_trials(session: Session, rows: list[dict]) -> None:
+    """Bulk updates of trial rows by id: one executemany per set of columns (SQLAlchemy's bulk
+    UPDATE takes rows of one shape)."""
+    by_shape: dict[tuple, list[dict]] = {}
     for row in rows:
         by_shape.setdefault(tuple(sorted(row)), []).append(row)
     for group in by_shape.values():
@@ -470,11 +472,9 @@ class NewRecommendation:
         }
 
 
-def add_recommendation(session: Session, new: NewRecommendation | None = None, **fields) -> Recommendation:
-    """Store the next version of a recommendation (``new``; keyword fields are the older form)."""
-    if new is not None:
-        fields = new.columns()
-    fields.setdefault("depth", 0)
+def add_recommendation(session: Session, new: NewRecommendation) -> Recommendation:
+    """Store the next version of a recommendation; an unchanged one is the latest version again."""
+    fields = new.columns()
     version = (
         session.scalar(
             select(func.max(Recommendation.version)).where(

@@ -83,7 +83,7 @@ class HeadStorage(BaseStorage):
         self._mem_study: dict[int, int] = {}  # database study id -> in-memory study id
         self._db_study_of: dict[int, int] = {}  # in-memory trial id -> database study id
         self._db_trial: dict[int, int] = {}  # in-memory trial id -> database trial id (once written)
-        self._dirty: set[int] = set()
+        self._dirty: dict[int, set] = {}  # in-memory trial id -> the tables its changes touch
 
     # -- studies: straight through
 
@@ -138,44 +138,46 @@ class HeadStorage(BaseStorage):
             self._mem_study[study_id] = mem_id
             return mem_id
 
-    def _changed(self, trial_id: int) -> None:
-        self._dirty.add(trial_id)
+    def _changed(self, trial_id: int, *tables) -> None:
+        """Mark what a trial write changed: its row, and the child tables named (a new trial is
+        written whole whatever is marked)."""
+        self._dirty.setdefault(trial_id, set()).update(tables)
 
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
         with self._lock:
             trial_id = self.memory.create_new_trial(self._memory_study(study_id), template_trial)
             self._db_study_of[trial_id] = study_id
-            self._changed(trial_id)
+            self._changed(trial_id, TRIALS, *CHILD_TABLES)
             return trial_id
 
     def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
                         distribution: BaseDistribution) -> None:
         with self._lock:
             self.memory.set_trial_param(trial_id, param_name, param_value_internal, distribution)
-            self._changed(trial_id)
+            self._changed(trial_id, PARAMS)
 
     def set_trial_state_values(self, trial_id: int, state: TrialState,
                                values: Sequence[float] | None = None) -> bool:
         with self._lock:
             changed = self.memory.set_trial_state_values(trial_id, state, values)
             if changed:
-                self._changed(trial_id)
+                self._changed(trial_id, TRIALS, VALUES)
             return changed
 
     def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
         with self._lock:
             self.memory.set_trial_intermediate_value(trial_id, step, intermediate_value)
-            self._changed(trial_id)
+            self._changed(trial_id, INTERMEDIATE)
 
     def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
         with self._lock:
             self.memory.set_trial_user_attr(trial_id, key, value)
-            self._changed(trial_id)
+            self._changed(trial_id, USER_ATTRS)
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
         with self._lock:
             self.memory.set_trial_system_attr(trial_id, key, value)
-            self._changed(trial_id)
+            self._changed(trial_id, SYSTEM_ATTRS)
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
         return self.memory.get_trial(trial_id)
@@ -203,29 +205,36 @@ class HeadStorage(BaseStorage):
         commits; if it rolls back they stay changed and the next flush writes them again.
         """
         with self._lock:
-            dirty = set(self._dirty)
+            dirty = {trial_id: set(tables) for trial_id, tables in self._dirty.items()}
             trials = sorted((self.memory.get_trial(i) for i in dirty), key=lambda t: t.number)
             if not trials:
                 return 0
             if session is None:
                 with self.backend.engine.begin() as own:
-                    written = self._write(own, trials)
+                    written = self._write(own, trials, dirty)
                 self._written(written, dirty)
             else:
-                written = self._write(session.connection(), trials)
+                written = self._write(session.connection(), trials, dirty)
                 event.listen(session, "after_commit", lambda _: self._written(written, dirty), once=True)
             return len(trials)
 
-    def _written(self, db_ids: dict[int, int], trial_ids: set[int]) -> None:
+    def _written(self, db_ids: dict[int, int], dirty: dict[int, set]) -> None:
         with self._lock:
             self._db_trial.update(db_ids)
-            self._dirty -= trial_ids
+            for trial_id, tables in dirty.items():
+                left = self._dirty.get(trial_id, set()) - tables  # changed again since: kept
+                if left:
+                    self._dirty[trial_id] = left
+                else:
+                    self._dirty.pop(trial_id, None)
 
-    def _write(self, conn: Connection, trials: list[FrozenTrial]) -> dict[int, int]:
-        """Insert new trials, update known ones, and replace their parameters, values, attributes."""
+    def _write(self, conn: Connection, trials: list[FrozenTrial], dirty: dict[int, set]) -> dict[int, int]:
+        """Insert new trials whole; of known ones, update the row and replace the child rows of the
+        tables their changes touched (a finished trial: its row and its values, not its parameters)."""
         new = [t for t in trials if t._trial_id not in self._db_trial]
         known = [t for t in trials if t._trial_id in self._db_trial]
         ids = {t._trial_id: self._db_trial[t._trial_id] for t in known}
+        touched = {t._trial_id: CHILD_TABLES for t in new} | {t._trial_id: dirty[t._trial_id] for t in known}
         if new:
             rows = [{"number": t.number, "study_id": self._db_study_of[t._trial_id], **self._trial_row(t)}
                     for t in new]
@@ -233,34 +242,39 @@ class HeadStorage(BaseStorage):
                 insert(TRIALS).returning(TRIALS.c.trial_id, sort_by_parameter_order=True), rows
             ).scalars().all()
             ids.update(zip([t._trial_id for t in new], inserted, strict=True))
-        if known:
-            conn.execute(
-                update(TRIALS).where(TRIALS.c.trial_id == bindparam("db_trial_id")),
-                [{"db_trial_id": ids[t._trial_id], **self._trial_row(t)} for t in known],
-            )
-            for table in CHILD_TABLES:
-                conn.execute(delete(table).where(table.c.trial_id.in_([ids[t._trial_id] for t in known])))
+        rows = [{"db_trial_id": ids[t._trial_id], **self._trial_row(t)} for t in known if TRIALS in dirty[t._trial_id]]
+        if rows:
+            conn.execute(update(TRIALS).where(TRIALS.c.trial_id == bindparam("db_trial_id")), rows)
+        for table in CHILD_TABLES:
+            replaced = [ids[t._trial_id] for t in known if table in dirty[t._trial_id]]
+            if replaced:
+                conn.execute(delete(table).where(table.c.trial_id.in_(replaced)))
         children: dict = {table: [] for table in CHILD_TABLES}
         for t in trials:
-            db_id = ids[t._trial_id]
-            children[PARAMS] += [
-                {"trial_id": db_id, "param_name": name,
-                 "param_value": t.distributions[name].to_internal_repr(value),
-                 "distribution_json": distribution_to_json(t.distributions[name])}
-                for name, value in t.params.items()
-            ]
-            for objective, value in enumerate(t.values or ()):
-                stored, kind = models.TrialValueModel.value_to_stored_repr(value)
-                children[VALUES].append({"trial_id": db_id, "objective": objective, "value": stored,
-                                         "value_type": kind})
-            for step, value in t.intermediate_values.items():
-                stored, kind = models.TrialIntermediateValueModel.intermediate_value_to_stored_repr(value)
-                children[INTERMEDIATE].append({"trial_id": db_id, "step": step, "intermediate_value": stored,
-                                               "intermediate_value_type": kind})
-            children[USER_ATTRS] += [{"trial_id": db_id, "key": k, "value_json": json.dumps(v)}
-                                     for k, v in t.user_attrs.items()]
-            children[SYSTEM_ATTRS] += [{"trial_id": db_id, "key": k, "value_json": json.dumps(v)}
-                                       for k, v in t.system_attrs.items()]
+            db_id, tables = ids[t._trial_id], touched[t._trial_id]
+            if PARAMS in tables:
+                children[PARAMS] += [
+                    {"trial_id": db_id, "param_name": name,
+                     "param_value": t.distributions[name].to_internal_repr(value),
+                     "distribution_json": distribution_to_json(t.distributions[name])}
+                    for name, value in t.params.items()
+                ]
+            if VALUES in tables:
+                for objective, value in enumerate(t.values or ()):
+                    stored, kind = models.TrialValueModel.value_to_stored_repr(value)
+                    children[VALUES].append({"trial_id": db_id, "objective": objective, "value": stored,
+                                             "value_type": kind})
+            if INTERMEDIATE in tables:
+                for step, value in t.intermediate_values.items():
+                    stored, kind = models.TrialIntermediateValueModel.intermediate_value_to_stored_repr(value)
+                    children[INTERMEDIATE].append({"trial_id": db_id, "step": step, "intermediate_value": stored,
+                                                   "intermediate_value_type": kind})
+            if USER_ATTRS in tables:
+                children[USER_ATTRS] += [{"trial_id": db_id, "key": k, "value_json": json.dumps(v)}
+                                         for k, v in t.user_attrs.items()]
+            if SYSTEM_ATTRS in tables:
+                children[SYSTEM_ATTRS] += [{"trial_id": db_id, "key": k, "value_json": json.dumps(v)}
+                                           for k, v in t.system_attrs.items()]
         for table, rows in children.items():
             if rows:
                 conn.execute(insert(table), rows)
