@@ -62,7 +62,7 @@ synth() {
 import sys
 from workers import models
 # SmolLM2-135M's shape (30 layers, 576 wide, 9 heads, 3 KV heads): the model of the 2-core runs
-models.ARCH_SHAPES["smollm2-135m"] = models.ModelShape(30, 576, 1536, 9, 3, 49152, 8192, 100000.0)
+models.ARCH_SHAPES["smollm2-135m"] = models.arch_shape(30, 576, 1536, 9, 3, 49152, 8192, 100000.0)
 models.synthesize("smollm2-135m", "q8_0", sys.argv[1], sys.argv[2])
 EOF
 }
