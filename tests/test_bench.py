@@ -278,3 +278,31 @@ def test_a_cpu_only_measurement_turns_op_offload_off_on_a_gpu_backend():
     assert cpu_only(BenchParams(n_threads=4), gpu, keep_op_offload=True).op_offload is True
     assert cpu_only(BenchParams(n_threads=4), cpu).op_offload is True  # nothing to offload to
     assert cpu_only(BenchParams(n_gpu_layers=3, n_threads=4), gpu).op_offload is True
+
+
+def test_the_measuring_process_sees_packages_that_only_the_parents_sys_path_has(tmp_path, monkeypatch):
+    """On a machine whose packages sit in a PYTHONPATH folder (no installer there), the isolated
+    child must still import them; a folder named like the package in the working directory must
+    not stand in for it."""
+    import subprocess
+    import sys
+
+    from workers.bench import CHILD_PATH_BOOT, child_env
+
+    extra = tmp_path / "site"
+    extra.mkdir()
+    (extra / "ft_probe_mod.py").write_text("VALUE = 42\n")
+    cwd = tmp_path / "cwd"
+    (cwd / "workers").mkdir(parents=True)
+    (cwd / "workers" / "__init__.py").write_text("raise SystemExit('the working directory was imported')\n")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", [str(extra), "", str(cwd), *sys.path])
+    from pathlib import Path
+
+    import workers
+
+    root = str(Path(workers.__file__).resolve().parent.parent)
+    code = CHILD_PATH_BOOT + "import ft_probe_mod, workers.trial; print(ft_probe_mod.VALUE, workers.__file__)"
+    out = subprocess.run([sys.executable, "-I", "-c", code, root], capture_output=True, text=True,
+                         env=child_env(), check=True).stdout.split()
+    assert out[0] == "42" and out[1].startswith(root)

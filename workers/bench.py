@@ -487,8 +487,21 @@ def _describe_exit(returncode: int, stderr: str) -> tuple[str, FailureKind]:
 
 # Run isolated (-I: no working directory, PYTHONPATH or user site on sys.path, so a local
 # `workers/` folder cannot stand in for the package), with the parent's own package put first.
-CHILD_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-              "from workers.bench import child_main; sys.exit(child_main(sys.argv[2:]))")
+# -I also drops PYTHONPATH, where a machine without an installer keeps llama_cpp and the rest (the
+# H200 machine: every measurement failed with "No module named 'llama_cpp'"), so the parent's own
+# sys.path comes along in FLEETTUNE_CHILD_PATH, after the child's: the interpreter's packages first,
+# ``workers`` from the parent's package root before anything else, no working directory.
+CHILD_PATH_ENV = "FLEETTUNE_CHILD_PATH"
+CHILD_PATH_BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); "
+                   f"sys.path += [p for p in os.environ.get({CHILD_PATH_ENV!r}, '').split(os.pathsep) "
+                   "if p and p not in sys.path]; ")
+CHILD_BOOT = CHILD_PATH_BOOT + "from workers.bench import child_main; sys.exit(child_main(sys.argv[2:]))"
+
+
+def child_env() -> dict[str, str]:
+    """The measuring process's environment: this one's, and the directories of this sys.path."""
+    paths = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != Path.cwd().resolve()]
+    return {**os.environ, CHILD_PATH_ENV: os.pathsep.join(paths)}
 
 
 def child_argv(spec_path: Path, result_path: Path, pipe_fd: int, trial_key: str) -> list[str]:
@@ -586,7 +599,7 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) 
                 proc = subprocess.Popen(
                     child_argv(spec_path, result_path, read_end, spec.trial_key),
                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                    pass_fds=(read_end,),
+                    pass_fds=(read_end,), env=child_env(),
                 )
             except BaseException:
                 os.close(write_end)

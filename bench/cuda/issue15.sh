@@ -56,8 +56,8 @@ build() {
 }
 
 synth() {
-    mkdir -p "$W/models" &&
-    ft model synth --shape llama3-8b --quant q4_0 --vocab-from "$D/vocab.gguf" -o "$M8B" &&
+    mkdir -p "$W/models" && { [ -f "$M8B" ] ||
+    ft model synth --shape llama3-8b --quant q4_0 --vocab-from "$D/vocab.gguf" -o "$M8B"; } &&
     python3 - "$D/vocab.gguf" "$MSMALL" <<'EOF'
 import sys
 from workers import models
@@ -88,9 +88,9 @@ study() {  # (b)
 
 versus() {  # (c)
     local vs="--objective tg --prompt-tokens 0 --gen-tokens 192 --reps 3 --timeout 120"
-    python3 "$SRC/bench/cuda/side_by_side.py" run-optimus "$VS_S" "$W/optimus.log" -- \
+    { [ -s "$W/optimus.log" ] || python3 "$SRC/bench/cuda/side_by_side.py" run-optimus "$VS_S" "$W/optimus.log" -- \
         python3 -c 'import sys; from llama_optimus.cli import main; sys.argv[0] = "llama-optimus"; main()' \
-        --llama-bin "$W/build/bin" --model "$M8B" &&
+        --llama-bin "$W/build/bin" --model "$M8B"; } &&  # kept from an earlier start
     python3 "$SRC/bench/cuda/side_by_side.py" run-fleettune "$VS_S" "$W/vs-fleettune.log" -- \
         python3 -c 'import sys; from orchestrator.cli import main; sys.argv[0] = "fleettune"; main()' \
         tune "$M8B" --trials 200 $vs --seed 1 --quiet --db "sqlite:///$W/vs.db" &&
@@ -100,6 +100,7 @@ versus() {  # (c)
 }
 
 steps() {
+    cd "$SRC" || return  # python3 -c and stdin scripts put the working directory first on sys.path
     { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; lscpu; } > "$W/env.txt" 2>&1
     step deps deps || { touch "$W/done"; return; }
     ( step synth synth > "$W/synth.log" 2>&1 ) &
