@@ -112,16 +112,23 @@ def render(log: list[dict]) -> str:
             argv = entry["argv"]
             flags[entry["config"]] = " ".join(argv[argv.index("-d") + 2:argv.index("--repack")]) + (
                 f" -d {argv[argv.index('-d') + 1]}" if argv[argv.index("-d") + 1] != "0" else "")
+    paired: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    for entry in log:  # the two tools' runs of one round ran back to back: their ratio drifts least
+        for test, ts in entry["figures"].items():
+            paired.setdefault((entry["config"], test), {}).setdefault(entry["round"], {})[entry["tool"]] = ts
     lines = ["| configuration (llama-bench flags) | test | runs | fleettune median (range) "
-             "| llama-bench median (range) | ratio of medians |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+             "| llama-bench median (range) | ratio of medians | per-round ratios: median (range) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for config in dict.fromkeys(e["config"] for e in log):
         for test in sorted({k[1] for k in results if k[0] == config}):
             ft, lb = results.get((config, test, "fleettune"), []), results.get((config, test, "llama-bench"), [])
             if not ft or not lb:
                 continue
             ratio = statistics.median(ft) / statistics.median(lb)
+            rounds = [r["fleettune"] / r["llama-bench"] for r in paired[(config, test)].values() if len(r) == 2]
             lines.append(f"| `{flags.get(config, config)}` | {test} | {min(len(ft), len(lb))} | {summary(ft)} "
-                         f"| {summary(lb)} | {ratio:.3f} |")
+                         f"| {summary(lb)} | {ratio:.3f} | {statistics.median(rounds):.3f} "
+                         f"({min(rounds):.3f}–{max(rounds):.3f}) |")
     return "\n".join(lines)
 
 

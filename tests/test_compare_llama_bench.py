@@ -43,3 +43,15 @@ def test_configurations_that_start_with_a_dash_are_values():
 
     assert join_configs(["--model", "m", "--config", "-ngl 0 -t 4", "--rounds", "5"]) == \
         ["--model", "m", "--config=-ngl 0 -t 4", "--rounds", "5"]
+
+
+def test_the_table_pairs_each_rounds_runs():
+    from bench.compare_llama_bench import render
+
+    argv = ["lb", "-m", "m", "-p", "512", "-n", "0", "-r", "2", "-d", "0", "-ngl", "0", "-t", "1", "--repack", "1"]
+    log = [{"round": r, "config": "-t 1", "tool": tool, "figures": {"pp512": v},
+            "argv": argv if tool == "llama-bench" else None}
+           for r, (a, b) in enumerate([(100.0, 100.0), (90.0, 100.0), (110.0, 100.0)])
+           for tool, v in (("fleettune", a), ("llama-bench", b))]
+    row = render(log).splitlines()[-1]
+    assert "`-ngl 0 -t 1`" in row and "| 3 |" in row and "1.000 (0.900–1.100)" in row
