@@ -6,7 +6,8 @@ For each held-out chip bin: the fleet's knowledge is every other bin's best conf
 transfer model (orchestrator/transfer.py) predicts the held-out chip's configuration, and the warm
 start is that prediction followed by the best configurations of its two nearest known chips,
 exactly as `fleettune tune --warm-start` enqueues them. Both arms then run the same sampler with
-the same noise (the simulated node, 3 % CV) in the study's own search space.
+the same noise (the simulated node, 3 % CV) in the study's own search space, after the same first
+design a new study measures (full offload, llama.cpp's defaults, the calibrated model's prediction).
 
     python bench/warm_start.py [--scenario calibrated|seed] [--seeds 3] [--budget 30] [--sampler tpe]
 """
@@ -24,10 +25,9 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from search_efficiency import grid_optimum, run_study, space_for, true_value  # noqa: E402
+from search_efficiency import WORKLOAD, first_design, grid_optimum, run_study, space_for, true_value  # noqa: E402
 
-from orchestrator.schedules import features  # noqa: E402
-from orchestrator.transfer import ConfigPredictor, Example  # noqa: E402
+from orchestrator.transfer import ConfigPredictor, Example, features  # noqa: E402
 from workers import simulated  # noqa: E402
 
 MODEL = ("llama2-7b", "q4_0")
@@ -57,11 +57,12 @@ def main() -> int:
         space = space_for(chip, shape)
         optimum = grid_optimum(chip, shape, space, "tg", args.scenario)
         quality.append(true_value(chip, shape, space.clip(pred.params), "tg", args.scenario) / optimum)
+        design = first_design(chip, shape, space, "study", "tg", WORKLOAD)
         for seed in range(args.seeds):
             cold.append(run_study(chip, shape, space, args.sampler, seed, args.budget, "tg",
-                                  args.scenario, optimum))
+                                  args.scenario, optimum, warm=design))
             warm.append(run_study(chip, shape, space, args.sampler, seed, args.budget, "tg",
-                                  args.scenario, optimum, warm=configs))
+                                  args.scenario, optimum, warm=[*design, *configs]))
     print(f"{len(chips)} chip bins held out one at a time x {args.seeds} seeds, {MODEL[0]} {MODEL[1]}, "
           f"tg, scenario {args.scenario}, sampler {args.sampler}, budget {args.budget}, "
           f"{time.time() - started:.0f}s")

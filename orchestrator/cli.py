@@ -124,6 +124,10 @@ prompt_tokens_option = _reusable("-p", "--prompt-tokens", default=512, show_defa
                                  help="pp test tokens (0: skip).")
 gen_tokens_option = _reusable("-n", "--gen-tokens", default=128, show_default=True, help="tg test tokens (0: skip).")
 reps_option = _reusable("-r", "--reps", default=3, show_default=True, help="Repetitions of each test.")
+flash_attn_option = _reusable("-fa", "--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off",
+                              show_default=True, help="Flash attention (llama.cpp's -fa).")
+depth_option = _reusable("-d", "--depth", type=click.IntRange(min=0), default=0, show_default=True,
+                         help="Tokens already in the KV cache before pp and tg are timed (llama-bench -d).")
 
 
 def output_options(default: str = "table") -> Callable:
@@ -291,7 +295,7 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 @threads_option()
 @batch_option()
 @ubatch_option()
-@click.option("--flash-attn", "-fa", is_flag=True, help="Use flash attention.")
+@flash_attn_option()
 @prompt_tokens_option()
 @gen_tokens_option()
 @reps_option()
@@ -350,6 +354,7 @@ def _progress_printer(console):
 @objective_option()
 @prompt_tokens_option()
 @gen_tokens_option()
+@depth_option()
 @reps_option(type=int, default=None, show_default=False,
              help="Repetitions per trial (default 3, or what a resumed study was created with).")
 @click.option("--sampler", default="auto", show_default=True,
@@ -369,7 +374,7 @@ def _progress_printer(console):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @db_option
 @output_options()
-def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler, study_name, resume,
+def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, sampler, study_name, resume,
          chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from orchestrator import registry
@@ -381,7 +386,7 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, reps, sampler,
     info = registry.resolve(db, model_ref)
     cfg = StudyConfig(
         model=info, objective=objective,
-        workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens), reps=reps,
+        workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens, depth=depth), reps=reps,
         n_trials=trials, sampler=sampler, name=study_name, resume=resume, seed=seed,
         timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top,
     )
@@ -417,11 +422,14 @@ ALL_CHIPS_COLUMNS = [
     Column("trials_complete", "trials", justify="right"),
     Column("llama_cpp_flags", "best config"),
     Column("expected", "t/s", ".1f", "right"),
-    Column("improvement", "vs default", justify="right"),
+    Column("improvement", "vs llama-cpp-python", justify="right"),
+    Column("improvement_llama_cpp", "vs llama.cpp", justify="right"),
 ]
 
 
 def _outcome_record(outcome, cfg) -> dict:
+    from orchestrator.learn import LLAMA_CPP_PYTHON
+
     rec = outcome.recommendation
     obj = cfg.target_objective
     unit = "tok/s (prompt+gen tokens / e2e seconds)" if obj.name == "e2e" else obj.unit
@@ -440,11 +448,22 @@ def _outcome_record(outcome, cfg) -> dict:
             "interval": [round(rec.interval_low, 3), round(rec.interval_high, 3)],
             "pp_tps": round(rec.expected_pp_tps, 3) if rec.expected_pp_tps else None,
             "tg_tps": round(rec.expected_tg_tps, 3) if rec.expected_tg_tps else None,
+            "llama_bench_flags": rec.params.llama_cpp_flags(tool="llama-bench"),
             "baseline_flags": outcome.baseline_params.llama_cpp_flags(),
             f"baseline_{cfg.objective}_tps": round(rec.baseline_tps, 3) if rec.baseline_tps else None,
             "improvement": f"{rec.improvement:+.1%}" if rec.improvement is not None else None,
             "unit": unit,
         })
+        for name, params in outcome.baselines.items():
+            if name == LLAMA_CPP_PYTHON:
+                continue  # llama-cpp-python's: the baseline_* keys above
+            gain = rec.improvement_over(name)
+            record.update({
+                "llama_cpp_baseline_flags": params.llama_cpp_flags(),
+                f"llama_cpp_baseline_{cfg.objective}_tps": round(rec.baselines[name], 3)
+                if name in rec.baselines else None,
+                "improvement_llama_cpp": f"{gain:+.1%}" if gain is not None else None,
+            })
     return record
 
 
@@ -485,9 +504,11 @@ def results(chip, model_ref, study, state, top, db_url, fmt) -> None:
 BEST_COLUMNS = [
     Column("chip", "chip"),
     Column("objective", "obj"),
+    Column("depth", "depth", justify="right"),
     Column("flags", "llama.cpp flags"),
     Column("expected_tps", "t/s", ".2f", "right"),
-    Column("improvement_pct", "vs default", justify="right"),
+    Column("improvement_pct", "vs llama-cpp-python", justify="right"),
+    Column("improvement_llama_cpp_pct", "vs llama.cpp", justify="right"),
     Column("version", "v", justify="right"),
     Column("simulated", "sim"),
 ]
@@ -507,7 +528,7 @@ def best(model_ref, chip, objective, db_url, fmt) -> None:
     click.echo(render(rows, BEST_COLUMNS, fmt))
     if fmt == "table":
         for row in rows:
-            click.echo(f"\n{row['chip']} ({row['objective']}): "
+            click.echo(f"\n{row['chip']} ({row['objective']}): llama-bench {row['llama_bench_flags']}\n"
                        + llama_cpp_python_code(row["llama_cpp_python"]))
 
 
@@ -520,6 +541,7 @@ RECOMMEND_COLUMNS = [
     Column("flags", "llama.cpp flags"),
     Column("expected_tps", "t/s", ".1f", "right"),
     Column("interval_text", "interval", justify="right"),
+    Column("gains_text", "vs baselines"),
 ]
 
 
@@ -537,6 +559,7 @@ def recommend(model_ref, chip_key, objective, db_url, fmt) -> None:
     db = _open_db(db_url)
     row = schedules.recommend(db, registry.resolve(db, model_ref), chip_key, objective)
     row["interval_text"] = f"{row['interval'][0]:.1f}-{row['interval'][1]:.1f}"
+    row["gains_text"] = ", ".join(f"{gain:+.0%} vs {name}" for name, gain in row.get("gains", {}).items())
     click.echo(render([row], RECOMMEND_COLUMNS, fmt))
 
 
@@ -1076,10 +1099,12 @@ def sim() -> None:
 def sim_options(func):
     for option in reversed([
         chip_option(dest="chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
-        click.option("--model-shape", required=True, help="llama2-7b | llama3-8b | llama2-13b | PATH.gguf"),
+        click.option("--model-shape", required=True,
+                     help="llama2-7b | llama3-8b | llama2-13b | qwen3-0.6b | qwen3-30b-a3b | gemma2-2b | PATH.gguf"),
         quant_option(),
         prompt_tokens_option(type=click.IntRange(0, MAX_TOKENS), help=None),
         gen_tokens_option(type=click.IntRange(0, MAX_TOKENS), help=None),
+        depth_option(type=click.IntRange(0, MAX_TOKENS)),
         scenario_option(help=None),
     ]):
         func = option(func)
@@ -1103,16 +1128,25 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 @threads_option(type=click.IntRange(1, 4096), default=8, show_default=True, help=None)
 @batch_option(type=click.IntRange(1, MAX_TOKENS), default=512, help=None)
 @ubatch_option(type=click.IntRange(1, MAX_TOKENS), help="Physical batch (default: min(512, batch)).")
+@click.option("-tb", "--threads-batch", type=click.IntRange(1, 4096), help="Prompt threads (default: -t).")
+@flash_attn_option()
+@click.option("-ctk", "--cache-type-k", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True)
+@click.option("-ctv", "--cache-type-v", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True)
+@click.option("-ncmoe", "--n-cpu-moe", type=click.IntRange(0, 9999), default=0, show_default=True,
+              help="Layers whose experts stay on the CPU (MoE shapes).")
 @output_options()
-def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenario, ngl, threads, batch,
-                ubatch, fmt) -> None:
+def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth, scenario, ngl, threads, batch,
+                ubatch, threads_batch, flash_attn, cache_type_k, cache_type_v, n_cpu_moe, fmt) -> None:
     """Noiseless pp and tg tokens/s of one configuration on a chip bin."""
     from workers import simulated
 
     chip, shape = _sim_target(chip_text, model_shape, quant)
     params = BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch,
-                         n_ubatch=ubatch or min(512, batch))
-    pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario)
+                         n_ubatch=ubatch or min(512, batch), n_threads_batch=threads_batch,
+                         flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, n_cpu_moe=n_cpu_moe)
+    if params.kv_problem:
+        raise BadInput(params.kv_problem)
+    pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario, depth=depth)
     record = {
         "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "flags": params.llama_cpp_flags(),
@@ -1126,12 +1160,15 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenar
 @sim_options
 @objective_option(help=None)
 @output_options()
-def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, scenario, objective, fmt) -> None:
-    """The exhaustive-grid optimum (ngl x threads x batch) of the noiseless model."""
+def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth, scenario, objective,
+                fmt) -> None:
+    """The exhaustive-grid optimum (ngl x threads x batch x flash attention, and the KV cache
+    types at a depth) of the noiseless model."""
     from workers import simulated
 
     chip, shape = _sim_target(chip_text, model_shape, quant)
-    params, pred, value = simulated.optimum(chip, shape, objective, prompt_tokens, gen_tokens, scenario)
+    params, pred, value = simulated.optimum(chip, shape, objective, prompt_tokens, gen_tokens, scenario,
+                                            depth=depth)
     record = {
         "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "objective": objective, "flags": params.llama_cpp_flags(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.errors import FleettuneError
 from workers.objective import Objective, e2e_seconds, objective
@@ -34,10 +34,17 @@ class RecommendationDraft:
     interval_high: float
     expected_pp_tps: float | None
     expected_tg_tps: float | None
-    baseline_tps: float | None
+    baseline_tps: float | None  # llama-cpp-python's defaults
     improvement: float | None
     evidence: list[int]
     simulated: bool
+    baselines: dict[str, float] = field(default_factory=dict)  # name -> its value, each measured in the study
+
+    def improvement_over(self, name: str) -> float | None:
+        """The gain over one baseline (0.25: 25 % faster), None where the study did not measure it.
+        Every value here is a rate (e2e as tokens per second), so higher is better."""
+        base = self.baselines.get(name)
+        return self.expected_tps / base - 1 if base else None
 
 
 def _rates(samples, kind: str) -> list[float]:
@@ -49,14 +56,24 @@ def config_key(params: BenchParams) -> str:
     return json.dumps(params.to_dict(), sort_keys=True)
 
 
+LLAMA_CPP_PYTHON = "llama-cpp-python defaults"
+LLAMA_CPP = "llama.cpp defaults"
+
+
 def recommend(
-    records: list[TrialRecord], target: str | Objective, n_prompt: int, n_gen: int
+    records: list[TrialRecord], target: str | Objective, n_prompt: int, n_gen: int,
+    baselines: dict[str, BenchParams] | None = None,
 ) -> RecommendationDraft | None:
     """Pick the configuration with the best pooled median among those that were confirmed.
 
     Candidates are the configurations that have a ``confirm`` trial (the study re-measures its top
-    configurations and the baseline in one round); each is judged on all its samples together. The
+    configurations and the baselines in one round); each is judged on all its samples together. The
     interval is the range of its per-repetition rates in the objective's unit.
+
+    ``baselines`` names the study's baseline configurations (default: the first configuration of the
+    ``baseline`` trials is llama-cpp-python's defaults, a second one llama.cpp's). A baseline is a candidate like any other, so where no searched
+    configuration beats it on the study's own evidence, the baseline is the recommendation: the
+    result is never slower than a baseline the study measured.
     """
     target = objective(target)
     if len({r.simulated for r in records}) > 1:
@@ -100,15 +117,25 @@ def recommend(
             "tg": tg_med,
         }
 
+    baseline_group = [r for r in records if r.phase == "baseline"]
+    if baselines is None:  # the study's order: llama-cpp-python's defaults, then llama.cpp's
+        distinct = list({config_key(r.params): r.params for r in baseline_group}.values())
+        baselines = dict(zip((LLAMA_CPP_PYTHON, LLAMA_CPP), distinct, strict=False))
+    baseline_keys = {name: config_key(params) for name, params in baselines.items()}
+    for key in baseline_keys.values():  # a measured baseline always competes
+        if key in by_config and by_config[key] not in candidates:
+            candidates = [*candidates, by_config[key]]
     scored = [(summary(group), group) for group in candidates]
     scored = [(s, g) for s, g in scored if s is not None]
     if not scored:
         return None
     best, group = max(scored, key=lambda item: item[0]["value"])
-    baseline_group = [r for r in records if r.phase == "baseline"]
-    baseline_key = config_key(baseline_group[0].params) if baseline_group else None
-    baseline = summary(by_config[baseline_key]) if baseline_key else None
-    baseline_tps = baseline["value"] if baseline else None
+    values = {}
+    for name, key in baseline_keys.items():
+        measured = summary(by_config[key]) if key in by_config else None
+        if measured is not None:
+            values[name] = measured["value"]
+    baseline_tps = values.get(LLAMA_CPP_PYTHON)
     return RecommendationDraft(
         params=group[0].params,
         expected_tps=best["value"],
@@ -120,6 +147,7 @@ def recommend(
         improvement=(best["value"] / baseline_tps - 1) if baseline_tps else None,
         evidence=sorted(r.trial_id for r in group),
         simulated=group[0].simulated,
+        baselines=values,
     )
 
 

@@ -1,5 +1,6 @@
-"""Pictures of results: a study's landscape (ngl x threads heat map), its optimisation history,
-parameter importance, and the recommended speed per chip.
+"""Pictures of results: a study's landscape (ngl x threads heat map), its optimisation history
+(with both baselines as levels to beat), parameter importance, and the recommended speed per chip
+(with its gain over each baseline).
 
 Each plot is two steps, as the printers are: a function turns database rows into a small figure
 description (``Heatmap``, ``Bars``, ``Lines``), and a renderer draws any description as PNG
@@ -132,11 +133,36 @@ def history(db: Database, study: str) -> Lines:
     for v in values:
         best = v if best is None or (v > best) == higher else best
         best_so_far.append(best)
-    positive = [v for v in values if v > 0]
+    series = {"best so far": (xs, best_so_far)}
+    for name, value in baseline_values(_study_rows(db, study)).items():  # each a level to beat
+        series[name] = ([xs[0], xs[-1]], [value, value])
+    positive = [v for v in values if v > 0] + [ys[0] for _, ys in series.values() if ys[0] > 0]
     spread = max(positive) / min(positive) if positive else 1.0
     return Lines(title=f"{study}: optimisation history", x_label="trial", y_label=label,
-                 series={"best so far": (xs, best_so_far)}, markers={"trial": (xs, values)},
-                 log_y=spread > 20)
+                 series=series, markers={"trial": (xs, values)}, log_y=spread > 20)
+
+
+def baseline_values(rows: list[dict]) -> dict[str, float]:
+    """Each baseline's median objective value over its trials (baseline and confirm phases), named
+    in the study's order: llama-cpp-python's defaults first, llama.cpp's second."""
+    import json
+    import statistics
+
+    from orchestrator.learn import LLAMA_CPP, LLAMA_CPP_PYTHON
+
+    def key(row):
+        return json.dumps(row["params"], sort_keys=True)
+
+    order = []
+    for row in sorted((r for r in rows if r["phase"] == "baseline"), key=lambda r: r["id"]):
+        if key(row) not in order:
+            order.append(key(row))
+    out = {}
+    for name, config in zip((LLAMA_CPP_PYTHON, LLAMA_CPP), order, strict=False):
+        values = [r["objective_value"] for r in rows if key(r) == config and r["objective_value"] is not None]
+        if values:
+            out[name] = statistics.median(values)
+    return out
 
 
 def importance(db: Database, study: str) -> Bars:
@@ -169,7 +195,10 @@ def chips(db: Database, model: str, objective: str | None = None) -> Bars:
         labels=[r["chip"] + (" (sim)" if r["simulated"] else "") for r in rows],
         values=[r["expected_tps"] or 0 for r in rows],
         value_label=" / ".join(sorted(unit)) + " expected tok/s",
-        annotations=[f"{r['flags']}  {r['improvement_pct'] or ''}" for r in rows],
+        annotations=[f"{r['flags']}  " + "  ".join(
+            f"{gain} vs {name}" for gain, name in ((r["improvement_pct"], "llama-cpp-python"),
+                                                   (r.get("improvement_llama_cpp_pct"), "llama.cpp")) if gain)
+            for r in rows],
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator import learn
 from orchestrator.db import Database, repo
 from workers.errors import BadInput
 from workers.trial import BenchParams
@@ -63,14 +64,21 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
         rows = []
         for rec in recs:
             params = BenchParams.from_dict(rec.params)
+            baselines = rec.baselines or {}
+            vs_llama_cpp = _gain(rec.expected_tps, baselines.get(learn.LLAMA_CPP))
             rows.append({
                 "chip": rec.chip.key,
                 "model": rec.model.name,
                 "objective": rec.objective,
                 "n_prompt": rec.n_prompt,
                 "n_gen": rec.n_gen,
+                "depth": rec.depth,
                 "flags": params.llama_cpp_flags(),
+                "llama_bench_flags": params.llama_cpp_flags(tool="llama-bench"),
                 "llama_cpp_python": params.llama_cpp_python_kwargs(),
+                "baselines": baselines,
+                "improvement_llama_cpp": vs_llama_cpp,
+                "improvement_llama_cpp_pct": f"{vs_llama_cpp:+.0%}" if vs_llama_cpp is not None else None,
                 "expected_tps": rec.expected_tps,
                 "interval": [rec.interval_low, rec.interval_high],
                 "pp_tps": rec.expected_pp_tps,
@@ -84,6 +92,11 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
                 "created_at": rec.created_at,
             })
         return rows
+
+
+def _gain(value: float, base: float | None) -> float | None:
+    """The gain of ``value`` over a baseline's (rates: higher is better); None where not measured."""
+    return value / base - 1 if base else None
 
 
 def export_rows(db: Database, *, chip: str | None = None, model: str | None = None,

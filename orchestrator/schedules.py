@@ -65,7 +65,9 @@ def recommend(db: Database, model: ModelInfo, chip_key: str, objective: str = "t
             return {"chip": chip_key, "model": model.name, "objective": objective, "source": "measured",
                     "flags": params.llama_cpp_flags(), "llama_cpp_python": params.llama_cpp_python_kwargs(),
                     "expected_tps": rec.expected_tps, "interval": [rec.interval_low, rec.interval_high],
-                    "version": rec.version, "evidence": rec.evidence, "simulated": rec.simulated}
+                    "version": rec.version, "evidence": rec.evidence, "simulated": rec.simulated,
+                    "baselines": rec.baselines or {}, "gains": {
+                        name: rec.expected_tps / value - 1 for name, value in (rec.baselines or {}).items() if value}}
     hw = hardware(db, chip_key)
     model_predictor, simulated = predictor(db, objective)
     pred = model_predictor.predict(hw, model)
@@ -103,11 +105,11 @@ def learn_all(db: Database, model: ModelInfo | None = None) -> list[dict]:
                 continue
             latest = repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
             latest = [r for r in latest if r.chip_id == study.chip_id and r.n_prompt == study.n_prompt
-                      and r.n_gen == study.n_gen and r.simulated == draft.simulated]
+                      and r.n_gen == study.n_gen and r.depth == study.depth and r.simulated == draft.simulated]
             unchanged = latest and latest[0].params == draft.params.to_dict() and \
                 abs(latest[0].expected_tps - draft.expected_tps) <= 1e-9 * max(draft.expected_tps, 1)
             new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, study.objective,
-                                         study.n_prompt, study.n_gen, draft, source="learn")
+                                         study.n_prompt, study.n_gen, draft, source="learn", depth=study.depth)
             version = latest[0].version if unchanged else repo.add_recommendation(s, new).version
             rows.append({"study": study.name, "chip": study.chip.key, "objective": study.objective,
                          "flags": draft.params.llama_cpp_flags(), "expected_tps": draft.expected_tps,

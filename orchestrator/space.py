@@ -1,17 +1,39 @@
-"""The search space of a study, derived from the node's hardware and the model.
+"""The search space of a study, derived from the node's hardware, the model and the objective.
+
+Each dimension is searched only where it can change the objective on this target:
 
 - ngl (GPU layers): 0..n_layer+1 where llama.cpp can offload (n_layer+1 also puts the output layer
   on the GPU); fixed at 0 on a CPU-only node.
-- threads: 1..logical cores (llama.cpp uses the same count for prompt and generation here, as
-  llama-bench does).
-- batch: powers of two from 32 up to the smallest of the prompt length rounded up, the model's
-  context and 4096 (a batch larger than the prompt processes it the same way).
-- ubatch: the same powers of two, never above batch (a larger proposal is clamped to batch).
+- threads: 1..performance cores where the chip says which cores those are (an Apple chip, a hybrid
+  Intel): llama.cpp splits a step's work evenly, so a thread on an efficiency core (or a second
+  thread on a core) makes every step wait for the slowest one; 1..logical cores elsewhere. Proposed
+  on a log scale: speed changes by ratios of threads (1 -> 2 as much as 8 -> 16), and the few-thread
+  end matters where CPU threads contend with the GPU (bench/search_efficiency.py, seed scenario).
+- threads_batch (prompt threads apart from generation threads): only where the objective measures
+  the prompt (pp, e2e); tg never runs the batch threads.
+- batch, ubatch: powers of two from 32 up to the smallest of the prompt length rounded up, the
+  model's context and 4096; ubatch never above batch. Searched only where the objective measures
+  the prompt: a generated token is a batch of one whatever -b and -ub say, so for tg they stay at
+  llama.cpp's defaults (-b 2048 -ub 512, clipped to the prompt).
+- flash attention: off, on and llama.cpp's ``auto`` (which picks "on" where the backend has the
+  kernel) on a GPU backend; on and off on a CPU-only node (the CPU kernel exists; ``auto`` means on
+  there too, so it adds nothing).
+- K and V cache types: f16, q8_0, q4_0; a quantized V cache needs flash attention on, so the V type
+  is searched only in the trials that have flash attention "on" (a conditional dimension).
+- n_cpu_moe (layers whose expert tensors stay in host memory): only for a mixture-of-experts model
+  whose weights exceed the GPU's working set, and only in trials that offload layers.
+- op offload: only on a GPU backend (CUDA, Metal: both implement ggml's ``offload_op``), only
+  where the objective measures the prompt (llama.cpp offloads the matmuls of host-resident weights
+  only for batches of 32 or more tokens, which a generated token never is). A CPU-only node has
+  nothing to offload to.
+
+Spaces stored by studies created before these dimensions existed have none of the new keys:
+``from_dict`` gives them the defaults that search exactly what they searched.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
@@ -19,6 +41,11 @@ from workers.trial import BenchParams
 
 MIN_BATCH = 32
 MAX_BATCH = 4096
+CACHE_TYPES = ("f16", "q8_0", "q4_0")
+FLASH_ATTN_MODES = ("off", "on", "auto")
+PROMPT_OBJECTIVES = ("pp", "e2e")
+LLAMA_CPP_BATCH, LLAMA_CPP_UBATCH = 2048, 512  # llama.cpp's own -b and -ub
+WORKING_SET_FRACTION = 0.75  # the share of unified memory Metal lets the GPU wire by default
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -34,21 +61,90 @@ def next_power_of_two(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class MoeLayout:
+    """What the space needs to know about a mixture-of-experts model."""
+
+    n_expert: int
+    expert_bytes: int  # bytes of every layer's expert tensors together
+
+
+def gpu_working_set(fp: Fingerprint) -> int | None:
+    """Bytes the GPU can hold: a discrete GPU's memory, or the wired share of unified memory."""
+    if not fp.gpu_offload:
+        return None
+    if fp.gpu_memory_bytes:
+        return fp.gpu_memory_bytes
+    return int(fp.memory_bytes * WORKING_SET_FRACTION) if fp.memory_bytes else None
+
+
+def moe_layout(model: ModelInfo) -> MoeLayout | None:
+    """The expert layout of a model (None for a dense one): named simulated shapes from their
+    shape, GGUF files from ``{arch}.expert_count`` and their ``*_exps`` tensors."""
+    from workers import simulated
+
+    if simulated.is_sim_model(model.path):
+        shape = simulated.as_sim_shape(simulated.parse_sim_model(model.path))
+        if not shape.n_expert:
+            return None
+        return MoeLayout(shape.n_expert, int(shape.bytes_of(shape.n_layer * shape.expert_params)))
+    try:
+        from workers.models import open_gguf
+
+        reader = open_gguf(model.path)
+    except Exception:  # noqa: BLE001 - a model the head cannot read is treated as dense
+        return None
+    field = reader.fields.get(f"{model.architecture}.expert_count")
+    n_expert = int(field.contents()) if field is not None else 0
+    if n_expert <= 1:
+        return None
+    expert_bytes = sum(int(t.n_bytes) for t in reader.tensors if "_exps" in t.name)
+    return MoeLayout(n_expert, expert_bytes)
+
+
+@dataclass(frozen=True)
 class SearchSpace:
-    """The ranges of one study. Stored with the study so a resumed study searches the same space."""
+    """The ranges of one study. Stored with the study so a resumed study searches the same space.
+
+    Fields after ``batch_choices`` default to "not searched", which is what a space stored before
+    they existed searched.
+    """
 
     ngl_max: int
     threads_max: int
     batch_choices: tuple[int, ...]
-    flash_attn: bool = False
+    flash_attn: bool = False  # legacy: flash attention as a plain on/off (spaces stored before 0.x)
+    fa_modes: tuple[str, ...] = ()  # flash attention values searched; (): off
+    cache_types: tuple[str, ...] = ()  # K (and, with flash attention on, V) types; (): f16
+    threads_batch: bool = False  # n_threads_batch searched apart from n_threads
+    cpu_moe_max: int = 0  # n_cpu_moe searched 0..this (trials with layers on the GPU); 0: not
+    op_offload: bool = False  # op offload searched on/off
+    tune_batch: bool = True  # batch and ubatch searched (False: llama.cpp's defaults, clipped)
+    threads_log: bool = False  # threads proposed on a log scale (1 -> 2 weighs as 8 -> 16)
 
     @classmethod
-    def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int) -> SearchSpace:
+    def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: str = "tg",
+                   moe: MoeLayout | None = None) -> SearchSpace:
         top = min(MAX_BATCH, model.context_length or MAX_BATCH, next_power_of_two(max(n_prompt, 1)))
+        prompt = str(objective) in PROMPT_OBJECTIVES and n_prompt > 0
+        logical = max(fp.logical_cores or 1, 1)
+        threads = logical
+        if fp.p_cores and fp.p_cores < logical:
+            threads = fp.p_cores  # efficiency cores or SMT siblings pace every step (see above)
+        working_set = gpu_working_set(fp)
+        cpu_moe = 0
+        if moe is not None and working_set is not None and model.size_bytes > working_set:
+            cpu_moe = model.n_layer
         return cls(
             ngl_max=model.n_layer + 1 if fp.gpu_offload else 0,
-            threads_max=max(fp.logical_cores or 1, 1),
+            threads_max=threads,
             batch_choices=powers_of_two(MIN_BATCH, max(top, MIN_BATCH)),
+            fa_modes=FLASH_ATTN_MODES if fp.gpu_offload else ("off", "on"),
+            cache_types=CACHE_TYPES,
+            threads_batch=prompt,
+            cpu_moe_max=cpu_moe,
+            op_offload=prompt and fp.gpu_offload,
+            tune_batch=prompt,
+            threads_log=True,
         )
 
     def to_dict(self) -> dict:
@@ -56,32 +152,72 @@ class SearchSpace:
 
     @classmethod
     def from_dict(cls, data: dict) -> SearchSpace:
-        return cls(**{**data, "batch_choices": tuple(data["batch_choices"])})
+        """A stored space; keys it lacks take the defaults (what older studies searched)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for key in ("batch_choices", "fa_modes", "cache_types"):
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+    # -- defaults where a dimension is not searched
+
+    def default_batch(self) -> tuple[int, int]:
+        """llama.cpp's -b 2048 -ub 512, clipped to the largest batch the prompt can fill."""
+        top = max(self.batch_choices)
+        batch = min(LLAMA_CPP_BATCH, top)
+        return batch, min(LLAMA_CPP_UBATCH, batch)
 
     # -- Optuna side: names and distributions
 
     def suggest(self, trial) -> BenchParams:
         """Ask an Optuna trial for one configuration in this space."""
         ngl = trial.suggest_int("ngl", 0, self.ngl_max) if self.ngl_max > 0 else 0
-        threads = trial.suggest_int("threads", 1, self.threads_max)
-        batch = trial.suggest_categorical("batch", list(self.batch_choices))
-        ubatch = trial.suggest_categorical("ubatch", list(self.batch_choices))
-        flash = trial.suggest_categorical("flash_attn", [False, True]) if self.flash_attn else False
-        return BenchParams(
-            n_gpu_layers=ngl,
-            n_threads=threads,
-            n_batch=batch,
-            n_ubatch=min(ubatch, batch),
-            flash_attn=flash,
-        )
+        threads = trial.suggest_int("threads", 1, self.threads_max, log=self.threads_log)
+        if self.tune_batch:
+            batch = trial.suggest_categorical("batch", list(self.batch_choices))
+            ubatch = min(trial.suggest_categorical("ubatch", list(self.batch_choices)), batch)
+        else:
+            batch, ubatch = self.default_batch()
+        values: dict = {}
+        if self.flash_attn:
+            values["flash_attn"] = "on" if trial.suggest_categorical("flash_attn", [False, True]) else "off"
+        if self.fa_modes:
+            values["flash_attn"] = trial.suggest_categorical("fa", list(self.fa_modes))
+        if self.cache_types:
+            values["type_k"] = trial.suggest_categorical("type_k", list(self.cache_types))
+            if values.get("flash_attn") == "on":  # a quantized V cache needs flash attention on
+                values["type_v"] = trial.suggest_categorical("type_v", list(self.cache_types))
+        if self.threads_batch:
+            tb = trial.suggest_int("threads_batch", 1, self.threads_max, log=self.threads_log)
+            values["n_threads_batch"] = None if tb == threads else tb
+        if self.cpu_moe_max > 0 and ngl > 0:
+            values["n_cpu_moe"] = trial.suggest_int("cpu_moe", 0, self.cpu_moe_max)
+        if self.op_offload:
+            values["op_offload"] = trial.suggest_categorical("op_offload", [True, False])
+        return BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch, n_ubatch=ubatch, **values)
 
     def optuna_params(self, params: BenchParams) -> dict:
         """The Optuna parameter values that propose ``params`` (for enqueueing known configs)."""
-        values: dict = {"threads": params.n_threads, "batch": params.n_batch, "ubatch": params.n_ubatch}
+        values: dict = {"threads": params.n_threads}
+        if self.tune_batch:
+            values["batch"], values["ubatch"] = params.n_batch, params.n_ubatch
         if self.ngl_max > 0:
             values["ngl"] = params.n_gpu_layers
         if self.flash_attn:
-            values["flash_attn"] = params.flash_attn
+            values["flash_attn"] = params.flash_attn == "on"
+        if self.fa_modes:
+            values["fa"] = params.flash_attn
+        if self.cache_types:
+            values["type_k"] = params.type_k
+            if params.flash_attn == "on":
+                values["type_v"] = params.type_v
+        if self.threads_batch:
+            values["threads_batch"] = params.threads_batch
+        if self.cpu_moe_max > 0 and params.n_gpu_layers > 0:
+            values["cpu_moe"] = params.n_cpu_moe
+        if self.op_offload:
+            values["op_offload"] = params.op_offload
         return values
 
     def clip(self, params: BenchParams) -> BenchParams:
@@ -91,19 +227,47 @@ class SearchSpace:
         def nearest(value: int) -> int:
             return min(batches, key=lambda b: (abs(b - value), b))
 
-        batch = nearest(params.n_batch)
+        if self.tune_batch:
+            batch = nearest(params.n_batch)
+            ubatch = min(nearest(params.n_ubatch), batch)
+        else:
+            batch, ubatch = self.default_batch()
+        threads = min(max(params.n_threads, 1), self.threads_max)
+        flash = params.flash_attn
+        if self.fa_modes:
+            flash = flash if flash in self.fa_modes else "on"
+        elif self.flash_attn:
+            flash = "on" if flash == "on" else "off"
+        else:
+            flash = "off"
+        types = self.cache_types or ("f16",)
+        type_k = params.type_k if params.type_k in types else "f16"
+        type_v = params.type_v if params.type_v in types and flash == "on" else "f16"
+        tb = None
+        if self.threads_batch and params.n_threads_batch:
+            tb = min(max(params.n_threads_batch, 1), self.threads_max)
+            tb = None if tb == threads else tb
+        ngl = min(max(params.n_gpu_layers, 0), self.ngl_max)
         return replace(
             params,
-            n_gpu_layers=min(max(params.n_gpu_layers, 0), self.ngl_max),
-            n_threads=min(max(params.n_threads, 1), self.threads_max),
-            n_threads_batch=None,
+            n_gpu_layers=ngl,
+            n_threads=threads,
+            n_threads_batch=tb,
             n_batch=batch,
-            n_ubatch=min(nearest(params.n_ubatch), batch),
-            flash_attn=params.flash_attn and self.flash_attn,
+            n_ubatch=ubatch,
+            flash_attn=flash,
+            type_k=type_k,
+            type_v=type_v,
+            n_cpu_moe=min(max(params.n_cpu_moe, 0), self.cpu_moe_max) if ngl > 0 else 0,
+            op_offload=params.op_offload if self.op_offload else True,
         )
 
     def grid(self, max_axis: int = 8) -> dict[str, list]:
-        """A coarse grid over this space for the grid sampler (each axis at most ``max_axis``)."""
+        """A coarse grid over this space for the grid sampler (each axis at most ``max_axis``).
+
+        Conditional dimensions (the V type, n_cpu_moe) stay at their defaults: Optuna's grid has
+        one set of values per parameter, asked or not.
+        """
 
         def spread(low: int, high: int) -> list[int]:
             if high - low + 1 <= max_axis:
@@ -111,22 +275,48 @@ class SearchSpace:
             step = (high - low) / (max_axis - 1)
             return sorted({round(low + i * step) for i in range(max_axis)})
 
-        grid: dict[str, list] = {
-            "threads": spread(1, self.threads_max),
-            "batch": list(self.batch_choices)[-4:],
-            "ubatch": [min(512, max(self.batch_choices))]
-            if 512 in self.batch_choices or max(self.batch_choices) < 512
-            else [self.batch_choices[0]],
-        }
+        grid: dict[str, list] = {"threads": spread(1, self.threads_max)}
+        if self.tune_batch:
+            grid["batch"] = list(self.batch_choices)[-4:]
+            grid["ubatch"] = ([min(512, max(self.batch_choices))]
+                              if 512 in self.batch_choices or max(self.batch_choices) < 512
+                              else [self.batch_choices[0]])
         if self.ngl_max > 0:
             grid["ngl"] = spread(0, self.ngl_max)
         if self.flash_attn:
             grid["flash_attn"] = [False, True]
+        if self.fa_modes:
+            grid["fa"] = [m for m in self.fa_modes if m != "auto"]
+        if self.cache_types:
+            grid["type_k"] = ["f16", "q8_0"] if "q8_0" in self.cache_types else list(self.cache_types)
+            grid["type_v"] = ["f16"]  # asked only with flash attention on: one value, every trial can take
+        if self.threads_batch:
+            grid["threads_batch"] = spread(1, self.threads_max)[-max_axis // 2:]
+        if self.cpu_moe_max:
+            grid["cpu_moe"] = [0]
+        if self.op_offload:
+            grid["op_offload"] = [True, False]
         return grid
 
     def size(self) -> int:
-        n = (self.ngl_max + 1) * self.threads_max * len(self.batch_choices) ** 2
-        return n * (2 if self.flash_attn else 1)
+        """How many distinct configurations the space holds."""
+        batches = len(self.batch_choices) ** 2 if self.tune_batch else 1
+        n = (self.ngl_max + 1) * self.threads_max * batches
+        if self.flash_attn:
+            n *= 2
+        if self.fa_modes:
+            n_types = len(self.cache_types) or 1
+            # V quantized only with flash attention on
+            n *= (len(self.fa_modes) - 1) * n_types + n_types * n_types
+        elif self.cache_types:
+            n *= len(self.cache_types)
+        if self.threads_batch:
+            n *= self.threads_max
+        if self.cpu_moe_max:
+            n *= self.cpu_moe_max + 1
+        if self.op_offload:
+            n *= 2
+        return n
 
 
 def llama_cpp_python_defaults(fp: Fingerprint) -> BenchParams:
@@ -138,8 +328,60 @@ def llama_cpp_python_defaults(fp: Fingerprint) -> BenchParams:
         n_threads_batch=cores,
         n_batch=512,
         n_ubatch=512,
-        flash_attn=False,
+        flash_attn="off",
     )
+
+
+def llama_cpp_defaults(fp: Fingerprint, model: ModelInfo, n_prompt: int | None = None) -> BenchParams:
+    """What llama.cpp's own tools (llama-bench, llama-server) run with when given no settings.
+
+    Every layer offloaded where the backend can (``-ngl`` auto; llama-server's ``--fit`` shrinks
+    the context, not the layers, for a model that fits), threads from the physical cores (the
+    performance cores on Apple Silicon and hybrid Intel: llama.cpp's ``cpu_get_num_math``),
+    ``-b 2048 -ub 512`` and flash attention ``auto``. The batch is clipped to the model's context
+    and, where ``n_prompt`` is given, to the prompt (a larger batch processes it the same way).
+    """
+    threads = fp.p_cores or fp.logical_cores or 1
+    batch = min(LLAMA_CPP_BATCH, model.context_length or LLAMA_CPP_BATCH)
+    if n_prompt:
+        batch = max(min(batch, next_power_of_two(n_prompt)), MIN_BATCH)
+    return BenchParams(
+        n_gpu_layers=model.n_layer + 1 if fp.gpu_offload else 0,
+        n_threads=threads,
+        n_batch=batch,
+        n_ubatch=min(LLAMA_CPP_UBATCH, batch),
+        flash_attn="auto",
+    )
+
+
+def predicted_optimum(fp: Fingerprint, model: ModelInfo, n_prompt: int, n_gen: int, depth: int = 0,
+                      objective: str = "tg") -> BenchParams | None:
+    """The calibrated Apple Silicon model's best configuration for this chip and model (the
+    simulator's exhaustive optimum, workers/simulated.py), as a first guess worth one trial.
+
+    None where the model does not describe the target: not an Apple Silicon chip of the chip
+    table, or a model whose shape the head cannot read.
+    """
+    from workers import simulated
+
+    if fp.vendor != "Apple" or not (fp.family and fp.gpu_cores and fp.memory_bytes and fp.bandwidth_gbs):
+        return None
+    try:
+        shape = simulated.shape_for_path(model.path)
+        params, _, _ = simulated.optimum(fp, shape, str(objective), n_prompt, n_gen, depth=depth)
+    except Exception:  # noqa: BLE001 - no prediction is a fine answer (unknown generation, no file...)
+        return None
+    return params
+
+
+def compact_cache(params: BenchParams, space: SearchSpace) -> BenchParams | None:
+    """``params`` with flash attention on and the most compact K and V cache the space has: at a
+    depth every generated token reads the whole cache, so its bytes are the first thing to cut.
+    None where the space searches neither (a stored older space)."""
+    if "on" not in space.fa_modes or not space.cache_types:
+        return None
+    smallest = space.cache_types[-1]  # CACHE_TYPES runs from the largest to the smallest
+    return replace(params, flash_attn="on", type_k=smallest, type_v=smallest)
 
 
 def full_offload(fp: Fingerprint, model: ModelInfo, space: SearchSpace) -> BenchParams | None:

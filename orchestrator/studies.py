@@ -1,9 +1,10 @@
 """Studies: one Optuna study per (chip, model, workload, objective), run over Ray, stored in the DB.
 
 A study is one round loop (``StudyRunner._drive``) run over three sources of jobs in turn: the
-baseline (llama-cpp-python's defaults, so the gain is known), the search (full offload and the
-warm-start configurations first, then the sampler's proposals) and the confirmation (the top
-configurations and the baseline measured again). Every round of the loop is the same four steps,
+baselines (llama-cpp-python's defaults and llama.cpp's own, so the gain over each is known), the
+search (a first design of full offload, llama.cpp's defaults inside the space and the warm-start
+configurations, then the sampler's proposals) and the confirmation (the top configurations and
+both baselines measured again). Every round of the loop is the same four steps,
 in one place:
 
     propose   (the source gives as many jobs as the chip has idle nodes)
@@ -37,7 +38,15 @@ from orchestrator.db.session import DatabaseUnavailable, engine_kwargs, retrying
 from orchestrator.db.storage import HeadStorage
 from orchestrator.dispatch import Dispatcher
 from orchestrator.samplers import SAMPLER_NAMES, grid_size, make_sampler, resolve_sampler
-from orchestrator.space import SearchSpace, full_offload, llama_cpp_python_defaults
+from orchestrator.space import (
+    SearchSpace,
+    compact_cache,
+    full_offload,
+    llama_cpp_defaults,
+    llama_cpp_python_defaults,
+    moe_layout,
+    predicted_optimum,
+)
 from orchestrator.stopping import StopRequest
 from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
@@ -74,6 +83,18 @@ def _finite_positive(name: str, value: float, *, zero_ok: bool = False) -> None:
     if not isinstance(value, int | float) or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         raise BadInput(f"{name} {value!r}: must be a finite number {bound}")
+
+
+def check_depth(workload: Workload, model: ModelInfo) -> None:
+    """A depth is a whole number of tokens >= 0 whose cache, with the prompt and the generated
+    tokens after it, fits the model's context (llama.cpp would refuse the context otherwise)."""
+    depth = workload.depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise BadInput(f"--depth {depth!r}: must be a whole number of tokens >= 0")
+    total = depth + workload.n_prompt + workload.n_gen
+    if model.context_length and total > model.context_length:
+        raise BadInput(f"--depth {depth}: {depth}+{workload.n_prompt}+{workload.n_gen} tokens exceed "
+                       f"{model.name}'s context of {model.context_length}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,7 @@ class StudyConfig:
         if self.workload.reps < 1:
             raise BadInput(f"--reps {self.workload.reps}: must be >= 1")
         obj.check_workload(self.workload.n_prompt, self.workload.n_gen)
+        check_depth(self.workload, self.model)
         validate_workload(self.workload, self.model)
 
 
@@ -157,7 +179,8 @@ class StudyOutcome:
     n_failed: int
     recommendation: learn.RecommendationDraft | None
     recommendation_version: int | None
-    baseline_params: BenchParams
+    baseline_params: BenchParams  # llama-cpp-python's defaults
+    baselines: dict[str, BenchParams] = field(default_factory=dict)  # every baseline, by name
 
 
 def _mtime(path: str) -> float | None:
@@ -168,7 +191,8 @@ def _mtime(path: str) -> float | None:
 
 
 def default_study_name(chip_key: str, model: ModelInfo, objective: Objective | str, workload: Workload) -> str:
-    return f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}"
+    depth = f"-d{workload.depth}" if workload.depth else ""
+    return f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}{depth}"
 
 
 # ---------------------------------------------------------------- jobs and their sources
@@ -370,6 +394,10 @@ class StudyRunner:
         self.objective = cfg.target_objective
         self.direction = self.objective.direction.value
         self.baseline = llama_cpp_python_defaults(target.fingerprint)
+        self.baselines = {  # measured in every study, in this order
+            learn.LLAMA_CPP_PYTHON: self.baseline,
+            learn.LLAMA_CPP: llama_cpp_defaults(target.fingerprint, cfg.model, cfg.workload.n_prompt),
+        }
         self.study_id: int | None = None
         self.name = ""
         self.space: SearchSpace | None = None
@@ -392,8 +420,10 @@ class StudyRunner:
         anything on a clash (a name taken, a study held by another driver, another workload)."""
         cfg, fp = self.cfg, self.target.fingerprint
         cfg.validate()
-        validate_params(self.baseline, fp, cfg.model)
-        space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt)
+        for params in self.baselines.values():
+            validate_params(params, fp, cfg.model)
+        space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, str(self.objective),
+                                       moe_layout(cfg.model))
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
@@ -418,7 +448,8 @@ class StudyRunner:
                 existing = repo.get_study(s, cfg.name)
             elif cfg.resume:
                 existing = repo.latest_study(
-                    s, chip.id, model.id, str(self.objective), cfg.workload.n_prompt, cfg.workload.n_gen
+                    s, chip.id, model.id, str(self.objective), cfg.workload.n_prompt, cfg.workload.n_gen,
+                    cfg.workload.depth,
                 )
             if existing is not None and not cfg.resume:
                 raise BadInput(f"study {cfg.name!r} already exists; pass --resume to continue it")
@@ -458,7 +489,8 @@ class StudyRunner:
             self.budget = min(self.budget, grid_size(space))
         fields = dict(
             chip_id=chip.id, model_id=model.id, objective=str(self.objective),
-            n_prompt=cfg.workload.n_prompt, n_gen=cfg.workload.n_gen, reps=self.workload.reps,
+            n_prompt=cfg.workload.n_prompt, n_gen=cfg.workload.n_gen, depth=cfg.workload.depth,
+            reps=self.workload.reps,
             sampler=self.sampler, budget=self.budget, space=space.to_dict(),
             simulated=self.target.simulated, lease_owner=self.owner, lease_heartbeat=repo.utcnow(),
         )
@@ -476,11 +508,22 @@ class StudyRunner:
                            f"wait for it, or stop it first")
 
     def _enqueue_starts(self) -> None:
-        """A new study first measures full offload (where the GPU can take layers), then the warm
-        start configurations, then lets its sampler propose; each distinct config once."""
-        reference = full_offload(self.target.fingerprint, self.cfg.model, self.space)
+        """A new study first measures full offload (where the GPU can take layers), llama.cpp's
+        defaults as the space can say them, at a depth the same with flash attention on and the
+        most compact KV cache, and, on an Apple Silicon chip, the calibrated model's predicted
+        optimum; then the warm start configurations; then lets its sampler propose; each
+        distinct config once.
+
+        The first design is where the optimum usually is on Apple Silicon (every layer on the
+        GPU): bench/search_efficiency.py measures what each part of it saves."""
+        fp, w = self.target.fingerprint, self.cfg.workload
+        reference = full_offload(fp, self.cfg.model, self.space)
+        defaults = self.baselines[learn.LLAMA_CPP]
+        compact = compact_cache(defaults, self.space) if w.depth else None
+        prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, str(self.objective))
         seen = set()
-        for params in [p for p in (reference, *self.cfg.warm_start) if p is not None]:
+        for params in [p for p in (reference, defaults, compact, prediction, *self.cfg.warm_start)
+                       if p is not None]:
             values = self.space.optuna_params(self.space.clip(params))
             key = tuple(sorted(values.items()))
             if key not in seen:
@@ -493,12 +536,14 @@ class StudyRunner:
             study.chip_id == chip.id
             and study.model_id == model.id
             and study.objective == str(self.objective)
-            and (study.n_prompt, study.n_gen) == (cfg.workload.n_prompt, cfg.workload.n_gen)
+            and (study.n_prompt, study.n_gen, study.depth or 0)
+            == (cfg.workload.n_prompt, cfg.workload.n_gen, cfg.workload.depth)
         )
         if not same:
+            depth = f" d{study.depth}" if study.depth else ""
             raise BadInput(
                 f"study {study.name!r} is for another chip, model or workload "
-                f"({study.chip.key}, {study.model.name}, {study.objective} p{study.n_prompt} g{study.n_gen})"
+                f"({study.chip.key}, {study.model.name}, {study.objective} p{study.n_prompt} g{study.n_gen}{depth})"
             )
 
     def _optuna_study(self) -> optuna.Study:
@@ -538,8 +583,11 @@ class StudyRunner:
         if self.finished_already:
             return self._outcome("complete", *self._latest_recommendation())
         try:
-            if not self._phase_trials("baseline", complete_only=True):
-                self._drive(FixedJobs("baseline", [(self.baseline, None)], self.alive_nodes))
+            measured = {learn.config_key(BenchParams.from_dict(r.params))
+                        for r in self._phase_trials("baseline", complete_only=True)}
+            missing = [(p, None) for p in self.baselines.values() if learn.config_key(p) not in measured]
+            if missing:  # a study resumed from before the second baseline measures it now
+                self._drive(FixedJobs("baseline", missing, self.alive_nodes))
             self._drive(SamplerJobs(self.optuna_study, self.space, self.budget))
             confirm = self._confirm_jobs()
             if confirm:
@@ -559,7 +607,8 @@ class StudyRunner:
 
     def _outcome(self, state, draft, version) -> StudyOutcome:
         complete, failed = self._counts()
-        return StudyOutcome(self.name, state, complete, failed, draft, version, self.baseline)
+        return StudyOutcome(self.name, state, complete, failed, draft, version, self.baseline,
+                            dict(self.baselines))
 
     def _transaction(self, work: Callable[[Any], Any]) -> Any:
         """``work(session)`` in one transaction, retried while the database is away, that also
@@ -767,7 +816,11 @@ class StudyRunner:
         confirmed = {learn.config_key(BenchParams.from_dict(r.params))
                      for r in self._phase_trials("confirm", complete_only=True)}
         nodes = sorted(self.alive_nodes()) or [None]
-        configs = [p for p in [*top, self.baseline] if learn.config_key(p) not in confirmed]
+        configs, keys = [], set(confirmed)
+        for p in [*top, *self.baselines.values()]:
+            if learn.config_key(p) not in keys:
+                keys.add(learn.config_key(p))
+                configs.append(p)
         jobs = []
         for i, params in enumerate(configs):  # pairs rotate so every node is compared with a peer
             pair = {nodes[i % len(nodes)], nodes[(i + 1) % len(nodes)]}
@@ -777,7 +830,7 @@ class StudyRunner:
     def _draft(self) -> learn.RecommendationDraft | None:
         records, _ = self._records()
         w = self.workload
-        return learn.recommend(records, self.objective, w.n_prompt, w.n_gen)
+        return learn.recommend(records, self.objective, w.n_prompt, w.n_gen, self.baselines)
 
     def _recommend(self) -> tuple[learn.RecommendationDraft | None, int | None]:
         draft = self._draft()
@@ -788,7 +841,7 @@ class StudyRunner:
         def work(s):
             study = repo.get_study(s, self.name)
             new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, str(self.objective),
-                                         w.n_prompt, w.n_gen, draft)
+                                         w.n_prompt, w.n_gen, draft, depth=w.depth)
             return repo.add_recommendation(s, new).version
 
         return draft, self._transaction(work)
@@ -799,7 +852,8 @@ class StudyRunner:
         with self.db.session() as s:
             study = repo.get_study(s, self.name)
             recs = repo.latest_recommendations(s, [study.model_id], study.chip.key, str(self.objective))
-            versions = [r.version for r in recs if (r.n_prompt, r.n_gen) == (study.n_prompt, study.n_gen)]
+            versions = [r.version for r in recs
+                        if (r.n_prompt, r.n_gen, r.depth) == (study.n_prompt, study.n_gen, study.depth)]
         return draft, max(versions, default=None)
 
     def _emit(self, source: JobSource, inflight: dict, last: TrialResult | None = None) -> None:

@@ -216,3 +216,93 @@ def test_a_local_workers_folder_does_not_shadow_the_package(tmp_path, monkeypatc
         monkeypatch.setenv("PYTHONPATH", str(bogus.parent))
     result = measure(_spec(model_info))
     assert result.ok, result.error
+
+
+# ---------------------------------------------------------------- today's llama.cpp dimensions, for real
+
+
+@pytest.mark.parametrize("params", [
+    BenchParams(n_threads=1, n_batch=8, n_ubatch=8, flash_attn="on"),
+    BenchParams(n_threads=1, n_batch=8, n_ubatch=8, flash_attn="auto"),
+    BenchParams(n_threads=1, n_batch=8, n_ubatch=8, flash_attn="on", type_k="q8_0", type_v="q8_0"),
+    BenchParams(n_threads=1, n_batch=8, n_ubatch=8, type_k="q4_0"),  # a quantized K alone needs no fa
+    BenchParams(n_threads=1, n_threads_batch=2, n_batch=8, n_ubatch=8),
+    BenchParams(n_threads=1, n_batch=8, n_ubatch=8, op_offload=False),
+    BenchParams(n_threads=1, n_batch=8, n_ubatch=8, n_cpu_moe=2),  # no experts in SmolLM2: no effect
+], ids=["fa-on", "fa-auto", "kv-q8_0", "k-q4_0", "threads-batch", "no-op-offload", "n-cpu-moe"])
+def test_each_new_dimension_runs_in_llama_cpp(model_info, params):
+    result = measure(_spec(model_info, params, Workload(n_prompt=16, n_gen=4, reps=1, depth=32)))
+    assert result.ok, result.error
+    assert result.pp.median > 0 and result.tg.median > 0
+
+
+def test_a_quantized_v_without_flash_attention_is_a_bad_config(model_info, local_fingerprint):
+    params = BenchParams(n_threads=1, n_batch=8, n_ubatch=8, type_v="q8_0", flash_attn="off")
+    result = measure(_spec(model_info, params))
+    assert not result.ok and result.kind is FailureKind.BAD_CONFIG and "-fa on" in result.error
+    with pytest.raises(BadInput, match="needs flash attention on"):
+        validate_params(params, local_fingerprint, model_info)
+
+
+def test_depth_slows_generation(model_info):
+    """tg after 2,048 tokens already in the KV cache reads a cache as large as a sixth of the
+    weights per token and attends over all of it: measurably slower than at depth 0. The measuring
+    process also checks, after every repetition, that the cache holds depth + the test's tokens."""
+    params = BenchParams(n_threads=1, n_batch=512, n_ubatch=512)
+
+    def tg(depth: int) -> float:
+        result = measure(_spec(model_info, params, Workload(n_prompt=0, n_gen=32, reps=3, depth=depth),
+                               timeout_s=300))
+        assert result.ok, result.error
+        return result.tg.median
+
+    shallow, deep = tg(0), tg(2048)
+    assert deep < 0.9 * shallow, (shallow, deep)
+
+
+def test_depth_must_fit_the_models_context(model_info):
+    validate_workload(Workload(n_prompt=512, n_gen=128, depth=4096), model_info)
+    with pytest.raises(BadInput, match="depth 8000"):
+        validate_workload(Workload(n_prompt=512, n_gen=128, depth=8000), model_info)
+    with pytest.raises(BadInput, match="depth -1"):
+        validate_workload(Workload(depth=-1), model_info)
+
+
+def test_a_cpu_only_measurement_turns_op_offload_off_on_a_gpu_backend():
+    from workers.bench import cpu_only
+    from workers.hardware import Fingerprint
+
+    gpu = Fingerprint(None, "x", None, 16, 16, 16, 0, None, None, None, None, None, "cuda", True)
+    cpu = dataclasses.replace(gpu, backend="cpu", gpu_offload=False)
+    assert cpu_only(BenchParams(n_threads=4), gpu).op_offload is False
+    assert cpu_only(BenchParams(n_threads=4), gpu, keep_op_offload=True).op_offload is True
+    assert cpu_only(BenchParams(n_threads=4), cpu).op_offload is True  # nothing to offload to
+    assert cpu_only(BenchParams(n_gpu_layers=3, n_threads=4), gpu).op_offload is True
+
+
+def test_the_measuring_process_sees_packages_that_only_the_parents_sys_path_has(tmp_path, monkeypatch):
+    """On a machine whose packages sit in a PYTHONPATH folder (no installer there), the isolated
+    child must still import them; a folder named like the package in the working directory must
+    not stand in for it."""
+    import subprocess
+    import sys
+
+    from workers.bench import CHILD_PATH_BOOT, child_env
+
+    extra = tmp_path / "site"
+    extra.mkdir()
+    (extra / "ft_probe_mod.py").write_text("VALUE = 42\n")
+    cwd = tmp_path / "cwd"
+    (cwd / "workers").mkdir(parents=True)
+    (cwd / "workers" / "__init__.py").write_text("raise SystemExit('the working directory was imported')\n")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", [str(extra), "", str(cwd), *sys.path])
+    from pathlib import Path
+
+    import workers
+
+    root = str(Path(workers.__file__).resolve().parent.parent)
+    code = CHILD_PATH_BOOT + "import ft_probe_mod, workers.trial; print(ft_probe_mod.VALUE, workers.__file__)"
+    out = subprocess.run([sys.executable, "-I", "-c", code, root], capture_output=True, text=True,
+                         env=child_env(), check=True).stdout.split()
+    assert out[0] == "42" and out[1].startswith(root)

@@ -268,15 +268,19 @@ def test_resuming_a_finished_study_changes_nothing(db_url):
 
 
 class LosesNodes(VirtualFleet):
-    """Every trial of the full-offload configuration loses its node."""
+    """Every trial of the full-offload configuration (the first design's first) loses its node."""
 
     def __init__(self, n_nodes: int) -> None:
         super().__init__(CHIP, n_nodes, trial_s=0.0, per_wait=7, prefix="node", seed=3)
+        from orchestrator.space import SearchSpace, full_offload
+
+        info = simulated.sim_model_info(MODEL)
+        self.full = full_offload(CHIP, info, SearchSpace.for_target(CHIP, info, 512))
 
     def result(self, ref, trial_key):
         from workers.trial import FailureKind, TrialResult
 
-        full_offload = self.running[ref][0].params.n_gpu_layers == 33
+        full_offload = self.running[ref][0].params == self.full
         result = super().result(ref, trial_key)
         return TrialResult.failure(trial_key, "node lost", FailureKind.NODE_LOST) if full_offload else result
 

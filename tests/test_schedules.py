@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from orchestrator import schedules
 from orchestrator.cli import main
 from orchestrator.db import open_database, repo
-from orchestrator.space import SearchSpace
+from orchestrator.space import SearchSpace, full_offload, llama_cpp_defaults, predicted_optimum
 from orchestrator.studies import StudyConfig
 from orchestrator.transfer import ConfigPredictor, Example
 from orchestrator.tune import tune
@@ -18,7 +18,7 @@ from tests.conftest import SIM_CHIPS, module_db_url, tuned_sim_fleet
 from workers import simulated
 from workers.errors import BadInput
 from workers.simulated import sim_model_info
-from workers.trial import Workload
+from workers.trial import BenchParams, Workload
 
 SIM_MODEL = "sim://llama2-7b/q4_0"
 
@@ -103,16 +103,18 @@ def test_a_new_study_measures_the_warm_start_first(fleet_db):
     with db.session() as s:
         study = repo.get_study(s, outcome.name)
         rows = sorted(repo.study_trials(s, study.id, "search"), key=lambda r: r.optuna_number)
-        measured = [(r.params["n_gpu_layers"], r.params["n_threads"], r.params["n_batch"],
-                     r.params["n_ubatch"]) for r in rows]
+        measured = [BenchParams.from_dict(r.params) for r in rows]
         space = SearchSpace.from_dict(study.space)
-    assert measured[0][0] == space.ngl_max  # full offload first, as in every GPU study
+    assert measured[0].n_gpu_layers == space.ngl_max  # full offload first, as in every GPU study
+    fp = simulated.parse_chip("M1 Pro/16")  # the simulated node's own fingerprint
+    # the first design (full offload, llama.cpp's defaults, the calibrated model's prediction),
+    # then the warm start, each config once
+    first = [full_offload(fp, model, space), llama_cpp_defaults(fp, model, 128), predicted_optimum(fp, model, 128, 32)]
     expected = []
-    for p in (space.clip(p) for p in warm):
-        key = (p.n_gpu_layers, p.n_threads, p.n_batch, p.n_ubatch)
-        if key != measured[0] and key not in expected:
-            expected.append(key)
-    assert measured[1:1 + len(expected)] == expected  # then the warm start, each config once
+    for p in (space.clip(p) for p in [*first, *warm] if p is not None):
+        if p not in expected:
+            expected.append(p)
+    assert measured[:len(expected)] == expected
 
 
 def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_changes(sqlite_url):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from workers import simulated
@@ -101,6 +103,98 @@ def test_optimum_is_the_best_of_the_grid():
     assert value == pred.tg_tps
     for other in simulated.search_grid(chip, shape):
         assert predict(chip, shape, other).tg_tps <= value + 1e-9
+
+
+def test_the_public_rows_of_the_newer_dimensions(capsys):
+    """Each fitted row reproduces its measured ratio to its base row (or its figure); rows never
+    fitted (checks) are predictions, within the tolerance the M3/M4 generalisation has."""
+    rows = simulated.dims_rows()
+    base = {(r["chip"].label, r["model"], r["test"], r["n_tokens"]): r for r in rows if r["role"] == "base"}
+    lines = []
+    for r in rows:
+        got = simulated.predict_row(r)
+        lines.append(f"{r['dimension'][:28]:28} {r['chip'].label:16} {r['model']:14} {r['quant']:6} "
+                     f"{r['test']}{r['n_tokens']}@d{r['depth']:<5} fa {r['fa']:4} predicted {got:8.2f} "
+                     f"measured {r['tps']:8.2f} error {got / r['tps'] - 1:+6.1%}  {r['role']}")
+        b = base.get((r["chip"].label, r["model"], r["test"], r["n_tokens"]))
+        if r["role"].startswith("fit:") and b is not None:
+            assert got / simulated.predict_row(b) == pytest.approx(r["tps"] / b["tps"], rel=0.01)
+        elif r["role"].startswith("fit:"):
+            assert got == pytest.approx(r["tps"], rel=0.01)
+        else:
+            assert got == pytest.approx(r["tps"], rel=0.30)
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert {r["dimension"] for r in rows} >= {"flash attention", "depth", "experts"}
+
+
+def test_depth_slows_generation_less_with_a_quantized_cache_and_flash_attention():
+    chip = parse_chip("M2 Ultra/76/192")
+    shape = model_shape("llama3-8b", "q4_k_m")
+    on = BenchParams(99, 8, 2048, 512, flash_attn="on")
+
+    def tg(params, depth):
+        return predict(chip, shape, params, 512, 128, depth=depth).tg_tps
+
+    assert tg(on, 32768) < 0.8 * tg(on, 0)  # the cache read grows with depth
+    q8 = replace(on, type_k="q8_0", type_v="q8_0")
+    assert tg(q8, 32768) > 1.1 * tg(on, 32768)  # half the bytes of the cache
+    assert tg(q8, 0) == pytest.approx(tg(on, 0), rel=0.02)  # nothing to read at an empty context
+    off = replace(on, flash_attn="off")
+    assert tg(on, 0) > tg(off, 0)  # the kernels flash attention saves (PR 5021's row)
+    pp_on = predict(chip, shape, on, 512, 0, depth=16384).pp_tps
+    pp_off = predict(chip, shape, off, 512, 0, depth=16384).pp_tps
+    assert pp_on > 1.2 * pp_off  # the score matrix grows with the depth without flash attention
+    assert predict(chip, shape, on, 512, 128, depth=0).gpu_bytes < predict(chip, shape, on, 512, 128,
+                                                                             depth=32768).gpu_bytes
+
+
+def test_flash_attention_on_hurts_a_model_the_gpu_has_no_kernel_for_and_auto_avoids_it():
+    chip = parse_chip("M3 Max/40/64")
+    gemma = model_shape("gemma2-2b", "q8_0")
+    p = {fa: predict(chip, gemma, BenchParams(99, 4, 2048, 512, flash_attn=fa), 512, 64) for fa in ("off", "on", "auto")}
+    assert p["on"].pp_tps < 0.85 * p["off"].pp_tps and p["on"].tg_tps < 0.7 * p["off"].tg_tps
+    assert p["auto"] == p["off"]
+    llama = model_shape("llama3-8b", "q4_k_m")
+    assert predict(chip, llama, BenchParams(99, 4, 2048, 512, flash_attn="auto")) == \
+        predict(chip, llama, BenchParams(99, 4, 2048, 512, flash_attn="on"))
+
+
+def test_experts_kept_on_the_cpu_make_a_moe_model_fit_at_cpu_speed():
+    chip = parse_chip("M4 Pro/20/16")  # 12 GiB working set; Qwen3-30B-A3B Q4_K_M is about 17 GiB
+    moe = model_shape("qwen3-30b-a3b", "q4_k_m")
+    full = BenchParams(99, 10, 2048, 512, flash_attn="on")
+    assert not predict(chip, moe, full).fits
+    fits = {n: predict(chip, moe, replace(full, n_cpu_moe=n)) for n in (0, 12, 24, 36, 48)}
+    assert not fits[0].fits and fits[48].fits
+    ok = [n for n, p in fits.items() if p.fits]
+    rates = [fits[n].tg_tps for n in ok]
+    assert rates == sorted(rates, reverse=True)  # each layer's experts on the CPU costs speed
+    big = parse_chip("M4 Pro/20/64")
+    assert predict(big, moe, full).tg_tps > 1.5 * fits[48].tg_tps
+
+
+def test_prompt_threads_pace_the_prompt_only_and_op_offload_takes_it_to_the_gpu():
+    chip = parse_chip("M2 Max/38/96")
+    shape = model_shape("llama2-7b", "q4_0")
+    cpu = BenchParams(0, 8, 512, 512, op_offload=False)
+    one = predict(chip, shape, replace(cpu, n_threads_batch=1))
+    eight = predict(chip, shape, cpu)
+    assert eight.pp_tps > 4 * one.pp_tps and eight.tg_tps == one.tg_tps
+    offloaded = predict(chip, shape, replace(cpu, op_offload=True))
+    assert offloaded.pp_tps > 2 * eight.pp_tps and offloaded.tg_tps == eight.tg_tps  # tg: batches of one
+    small = replace(cpu, op_offload=True, n_batch=16, n_ubatch=16)  # below the offload batch size
+    assert predict(chip, shape, small).pp_tps == predict(chip, shape, replace(small, op_offload=False)).pp_tps
+
+
+def test_a_simulated_node_measures_at_the_workloads_depth():
+    chip = parse_chip("M1 Max/32/64")
+    node = SimulatedNode(chip, shape_for=simulated.shape_for_path, noise_cv=0.0)
+    params = BenchParams(99, 4, 512, 512, flash_attn="on")
+    shallow = node.measure(TrialSpec("sim://llama2-7b/q4_0", "x", params, Workload(512, 128, 1), trial_key="a"))
+    deep = node.measure(TrialSpec("sim://llama2-7b/q4_0", "x", params, Workload(512, 128, 1, depth=3000),
+                                  trial_key="b"))
+    assert deep.tg.median < 0.95 * shallow.tg.median
 
 
 def test_unknown_chip_and_bin():

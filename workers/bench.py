@@ -4,17 +4,20 @@ The measurement runs in a fresh subprocess with a timeout (``measure``), so a cr
 a hang or a corrupt model becomes a failed trial with its reason and the calling worker lives on.
 
 Method (llama-bench's ``test_prompt``/``test_gen``): the model is loaded once with the trial's
-parameters; each test gets its own context of its token count and a polling threadpool (as
-llama-bench builds them); one warm-up of each test; then ``reps``
+parameters; each test gets its own context of depth + its token count and a polling threadpool (as
+llama-bench builds them, freed with the context); one warm-up of each test at depth 0; then ``reps``
 repetitions of pp (n_prompt random tokens decoded in n_batch chunks) and tg (n_gen single-token
-decodes), the memory cleared before each, ``llama_synchronize`` before the clock stops. No
-sampling, no EOS, no logits beyond the last token of a batch.
+decodes), the memory cleared before each and, with a depth, ``depth`` tokens put in the KV cache
+first (decoded once per test, then restored from a saved state, untimed, as ``llama-bench -d``),
+``llama_synchronize`` before the clock stops. No sampling, no EOS, no logits beyond the last token
+of a batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import platform
@@ -34,7 +37,15 @@ from pathlib import Path
 from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
-from workers.trial import BenchParams, FailureKind, Sample, TrialResult, TrialSpec, Workload
+from workers.trial import (
+    GGML_TYPES,
+    BenchParams,
+    FailureKind,
+    Sample,
+    TrialResult,
+    TrialSpec,
+    Workload,
+)
 
 MAX_BATCH = 1 << 16
 MODEL_CHANGED = "model changed"  # the failure reason when the file is not the spec's model
@@ -61,6 +72,22 @@ def validate_params(params: BenchParams, fp: Fingerprint, model: ModelInfo | Non
         raise BadInput(f"batch {params.n_batch}: must be 1..{MAX_BATCH}")
     if not 1 <= params.n_ubatch <= params.n_batch:
         raise BadInput(f"ubatch {params.n_ubatch}: must be 1..batch ({params.n_batch})")
+    if params.kv_problem:
+        raise BadInput(params.kv_problem)
+    if params.n_cpu_moe < 0 or (model is not None and params.n_cpu_moe > model.n_layer):
+        raise BadInput(f"n-cpu-moe {params.n_cpu_moe}: must be 0..{model.n_layer if model else 'layers'}")
+
+
+def cpu_only(params: BenchParams, fp: Fingerprint, keep_op_offload: bool = False) -> BenchParams:
+    """``params`` for a measurement of the CPU alone: op offload off where a GPU backend has one.
+
+    With every layer on the CPU (-ngl 0), llama.cpp's op offload still copies the weights of a
+    large prompt batch (32 tokens and more) to the GPU and runs it there: on the H200, pp512 of
+    SmolLM2 at -ngl 0 -t 1 ran at 3,000-4,900 tok/s. That measures the GPU, not the threads.
+    """
+    if params.n_gpu_layers == 0 and fp.gpu_offload and not keep_op_offload:
+        return dataclasses.replace(params, op_offload=False)
+    return params
 
 
 def validate_workload(workload: Workload, model: ModelInfo | None) -> None:
@@ -68,10 +95,13 @@ def validate_workload(workload: Workload, model: ModelInfo | None) -> None:
         raise BadInput("prompt and gen tokens must be >= 0 and not both 0")
     if workload.reps < 1:
         raise BadInput(f"repetitions {workload.reps}: must be >= 1")
-    if model and model.context_length and workload.n_prompt + workload.n_gen > model.context_length:
+    if workload.depth < 0:
+        raise BadInput(f"depth {workload.depth}: must be >= 0")
+    longest = workload.depth + max(workload.n_prompt, workload.n_gen)  # each test has its own context
+    if model and model.context_length and longest > model.context_length:
         raise BadInput(
-            f"{workload.n_prompt}+{workload.n_gen} tokens exceed {model.name}'s context "
-            f"({model.context_length})"
+            f"depth {workload.depth} + {max(workload.n_prompt, workload.n_gen)} tokens exceed "
+            f"{model.name}'s context ({model.context_length})"
         )
 
 
@@ -135,6 +165,7 @@ class _Llama:
         import llama_cpp
 
         self.lib = llama_cpp
+        self._pools: list[int] = []  # the current context's threadpools
         self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
         if not os.environ.get("FLEETTUNE_LLAMA_LOG"):
             llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
@@ -146,10 +177,34 @@ class _Llama:
 
         mparams = model_params(lib, path)  # extra CPU buffer types off where they crash
         mparams.n_gpu_layers = params.n_gpu_layers
+        if params.n_cpu_moe:
+            mparams.tensor_buft_overrides = self._cpu_moe_overrides(params.n_cpu_moe)
         model = lib.llama_model_load_from_file(path.encode(), mparams)
         if not model:
             raise RuntimeError("llama.cpp could not load the model")
         return model
+
+    def _cpu_moe_overrides(self, n_layers: int) -> int:
+        """llama.cpp's ``--n-cpu-moe N`` (common.h, llm_add_n_cpu_ffn_overrides): the expert
+        tensors of layers 0..N-1 in CPU buffers. llama-cpp-python leaves
+        ``tensor_buft_overrides`` unbound, so the NULL-terminated array is built here (kept alive
+        on self until the process ends)."""
+
+        class Override(ctypes.Structure):
+            _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+        cpu = self._ggml_cpu()
+        cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+        buft = cpu.ggml_backend_cpu_buffer_type()
+        patterns = [f"blk\\.{i}\\.ffn_(up|down|gate|gate_up)_(ch|)exps".encode() for i in range(n_layers)]
+        array = (Override * (n_layers + 1))(*[Override(p, buft) for p in patterns], Override(None, None))
+        self._keep = (patterns, array)
+        return ctypes.addressof(array)
+
+    def _ggml_cpu(self) -> ctypes.CDLL | None:
+        lib_dir = Path(self.lib.__file__).parent / "lib"
+        candidates = sorted(lib_dir.glob("libggml-cpu.*")) + sorted(lib_dir.glob("ggml-cpu.*"))
+        return ctypes.CDLL(str(candidates[0])) if candidates else None
 
     def context(self, model, params: BenchParams, n_ctx: int):
         lib = self.lib
@@ -159,15 +214,34 @@ class _Llama:
         cparams.n_ubatch = params.n_ubatch
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.threads_batch
-        cparams.flash_attn_type = (
-            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        cparams.flash_attn_type = {
+            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        }[params.flash_attn]
+        cparams.type_k = GGML_TYPES[params.type_k]
+        cparams.type_v = GGML_TYPES[params.type_v]
+        cparams.op_offload = params.op_offload
         cparams.no_perf = True
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context (batch too large for memory?)")
         self._attach_threadpools(ctx, params.n_threads, params.threads_batch)
         return ctx
+
+    def free(self, ctx) -> None:
+        """Free a test's context and then its threadpools.
+
+        A pool left alive keeps its threads: those of the pp test would still be there, polling,
+        while the tg test's pool runs (llama-bench frees each test's pool after its context).
+        """
+        self.lib.llama_free(ctx)
+        pools, self._pools = self._pools, []
+        if pools:
+            cpu = self._ggml_cpu()
+            cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+            cpu.ggml_threadpool_free.restype = None
+            for pool in pools:
+                cpu.ggml_threadpool_free(pool)
 
     def _attach_threadpools(self, ctx, n_threads: int, n_threads_batch: int) -> None:
         """Run CPU work on a polling threadpool, as llama-bench (and llama-cli) do.
@@ -177,11 +251,9 @@ class _Llama:
         """
         if os.environ.get("FLEETTUNE_THREADPOOL") == "0":
             return
-        lib_dir = Path(self.lib.__file__).parent / "lib"
-        candidates = sorted(lib_dir.glob("libggml-cpu.*")) + sorted(lib_dir.glob("ggml-cpu.*"))
-        if not candidates:
+        ggml_cpu = self._ggml_cpu()
+        if ggml_cpu is None:
             return
-        ggml_cpu = ctypes.CDLL(str(candidates[0]))
         llama = self.lib.llama_cpp._lib
         ggml_cpu.ggml_threadpool_new.restype = ctypes.c_void_p
         ggml_cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
@@ -193,11 +265,12 @@ class _Llama:
             tpp.n_threads, tpp.prio, tpp.poll = threads, 0, POLL_LEVEL
             return ggml_cpu.ggml_threadpool_new(ctypes.byref(tpp))
 
-        self._pools = [new_pool(n_threads)]
+        pools = [new_pool(n_threads)]
         if n_threads_batch != n_threads:
-            self._pools.append(new_pool(n_threads_batch))
-        if all(self._pools):
-            llama.llama_attach_threadpool(ctx, self._pools[0], self._pools[-1])
+            pools.append(new_pool(n_threads_batch))
+        self._pools = [p for p in pools if p]
+        if all(pools):
+            llama.llama_attach_threadpool(ctx, pools[0], pools[-1])
 
 
 def _run_child(spec: TrialSpec) -> TrialResult:
@@ -241,24 +314,42 @@ def _run_child(spec: TrialSpec) -> TrialResult:
             lib.llama_synchronize(ctx)
             tokens[0] = rng.randrange(n_vocab)
 
+    depth = workload.depth
+
+    def fill_depth(ctx, saved: list) -> None:
+        """Put ``depth`` tokens in the KV cache: decoded the first time, then restored (untimed)."""
+        if saved and lib.llama_state_seq_set_data(ctx, saved[0], len(saved[0]), 0):
+            return
+        test_prompt(ctx, depth)
+        size = lib.llama_state_seq_get_size(ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        lib.llama_state_seq_get_data(ctx, buf, size, 0)
+        saved[:] = [buf]
+
     tests = [("pp", workload.n_prompt, test_prompt), ("tg", workload.n_gen, test_gen)]
     samples: list[Sample] = []
     for kind, n_tokens, run in tests:
         if n_tokens <= 0:
             continue
         t_ctx = time.perf_counter()
-        ctx = llama.context(model, params, n_tokens)  # as llama-bench: one context per test
+        ctx = llama.context(model, params, depth + n_tokens)  # as llama-bench: one context per test
         load_s += time.perf_counter() - t_ctx
         memory = lib.llama_get_memory(ctx)
         if workload.warmup:
             lib.llama_memory_clear(memory, True)
             run(ctx, n_tokens if kind == "pp" else 1)
+        saved: list = []
         for rep in range(workload.reps):
             lib.llama_memory_clear(memory, True)
+            if depth:
+                fill_depth(ctx, saved)
             start = time.perf_counter_ns()
             run(ctx, n_tokens)
             samples.append(Sample(kind, rep, n_tokens, (time.perf_counter_ns() - start) / 1e9))
-        lib.llama_free(ctx)
+            held = lib.llama_memory_seq_pos_max(memory, 0) + 1
+            if held != depth + n_tokens:  # the depth was not where it was meant to be
+                raise RuntimeError(f"the KV cache holds {held} tokens after {kind}, not {depth}+{n_tokens}")
+        llama.free(ctx)
     measure_s = time.perf_counter() - t0
     lib.llama_model_free(model)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -366,8 +457,12 @@ def child_main(argv: list[str]) -> int:
     spec = _spec_from_json(Path(args.spec_path).read_text())
     try:
         reason = model_changed(spec)
-        result = TrialResult.failure(spec.trial_key, reason, FailureKind.MODEL_CHANGED) if reason \
-            else _run_child(spec)
+        if reason:
+            result = TrialResult.failure(spec.trial_key, reason, FailureKind.MODEL_CHANGED)
+        elif spec.params.kv_problem:  # llama.cpp would refuse the context; say why, as a bad config
+            result = TrialResult.failure(spec.trial_key, spec.params.kv_problem, FailureKind.BAD_CONFIG)
+        else:
+            result = _run_child(spec)
     except Exception as exc:  # reported to the parent as the trial's reason
         result = TrialResult.failure(spec.trial_key, str(exc))
     Path(args.result_path).write_text(json.dumps(result.to_dict()))
@@ -392,8 +487,21 @@ def _describe_exit(returncode: int, stderr: str) -> tuple[str, FailureKind]:
 
 # Run isolated (-I: no working directory, PYTHONPATH or user site on sys.path, so a local
 # `workers/` folder cannot stand in for the package), with the parent's own package put first.
-CHILD_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-              "from workers.bench import child_main; sys.exit(child_main(sys.argv[2:]))")
+# -I also drops PYTHONPATH, where a machine without an installer keeps llama_cpp and the rest (the
+# H200 machine: every measurement failed with "No module named 'llama_cpp'"), so the parent's own
+# sys.path comes along in FLEETTUNE_CHILD_PATH, after the child's: the interpreter's packages first,
+# ``workers`` from the parent's package root before anything else, no working directory.
+CHILD_PATH_ENV = "FLEETTUNE_CHILD_PATH"
+CHILD_PATH_BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); "
+                   f"sys.path += [p for p in os.environ.get({CHILD_PATH_ENV!r}, '').split(os.pathsep) "
+                   "if p and p not in sys.path]; ")
+CHILD_BOOT = CHILD_PATH_BOOT + "from workers.bench import child_main; sys.exit(child_main(sys.argv[2:]))"
+
+
+def child_env() -> dict[str, str]:
+    """The measuring process's environment: this one's, and the directories of this sys.path."""
+    paths = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != Path.cwd().resolve()]
+    return {**os.environ, CHILD_PATH_ENV: os.pathsep.join(paths)}
 
 
 def child_argv(spec_path: Path, result_path: Path, pipe_fd: int, trial_key: str) -> list[str]:
@@ -491,7 +599,7 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) 
                 proc = subprocess.Popen(
                     child_argv(spec_path, result_path, read_end, spec.trial_key),
                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                    pass_fds=(read_end,),
+                    pass_fds=(read_end,), env=child_env(),
                 )
             except BaseException:
                 os.close(write_end)

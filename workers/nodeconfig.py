@@ -29,6 +29,7 @@ KEYS = {"version", "rollout_id", "model_sha256", "model_name", "objective", "par
 OPTIONAL_KEYS = {"workload", "source"}  # the recommendation's n_prompt/n_gen; "recommendation" or "pin"
 PARAM_BOUNDS = {"n_gpu_layers": (0, 1000), "n_threads": (1, 1024), "n_batch": (1, 65536),
                 "n_ubatch": (1, 65536)}
+OTHER_PARAMS = {"flash_attn", "n_threads_batch", "type_k", "type_v", "n_cpu_moe", "op_offload"}
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[\w.\-+ ]{1,200}$")
 FORMATS = ("json", "flags", "ollama", "python")
@@ -60,7 +61,7 @@ def validate(payload: dict) -> dict:
     if not isinstance(expected, int | float) or not 0 < expected < 1e7:
         raise BadInput("config expected_tps must be a positive number")
     params = payload["params"]
-    if not isinstance(params, dict) or not set(params) <= set(PARAM_BOUNDS) | {"flash_attn", "n_threads_batch"}:
+    if not isinstance(params, dict) or not set(params) <= set(PARAM_BOUNDS) | OTHER_PARAMS:
         raise BadInput("config params has unknown keys")
     for key, (low, high) in PARAM_BOUNDS.items():
         value = params.get(key)
@@ -68,8 +69,9 @@ def validate(payload: dict) -> dict:
             raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
     if params.get("n_threads_batch") is not None and not 1 <= int(params["n_threads_batch"]) <= 1024:
         raise BadInput("config params.n_threads_batch out of range")
-    if not isinstance(params.get("flash_attn", False), bool):
-        raise BadInput("config params.flash_attn must be true or false")
+    if params.get("flash_attn", False) not in (True, False, "auto"):
+        raise BadInput("config params.flash_attn must be true, false or \"auto\"")
+    BenchParams.from_dict(params)  # the KV cache types and the rest: BadInput when out of range
     return payload
 
 

@@ -114,8 +114,7 @@ class LlamaServer(ServerKind):
                 "-c", str(N_CTX), "--host", "127.0.0.1", "--port", str(port)]
         if params.n_threads_batch:
             argv += ["-tb", str(params.n_threads_batch)]
-        if params.flash_attn:
-            argv += ["-fa", "on"]
+        argv += ["-fa", params.flash_attn]
         return argv
 
 
@@ -388,7 +387,7 @@ def child_main(argv: list[str]) -> None:
     params = BenchParams.from_dict(json.loads(args.params))
     settings = ModelSettings(model=args.model, model_alias=args.alias, n_gpu_layers=params.n_gpu_layers,
                              n_threads=params.n_threads, n_threads_batch=params.n_threads_batch or params.n_threads,
-                             n_batch=params.n_batch, n_ubatch=params.n_ubatch, flash_attn=params.flash_attn,
+                             n_batch=params.n_batch, n_ubatch=params.n_ubatch, flash_attn=params.flash_attn != "off",
                              n_ctx=N_CTX, verbose=False)
     app = create_app(server_settings=ServerSettings(), model_settings=[settings])
     _warm(args.alias)

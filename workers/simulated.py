@@ -14,10 +14,30 @@ simulated and never mixed with real measurements. It predicts pp and tg tokens/s
 - CPU threads and the GPU compete for the shared bandwidth while both are active (contention).
 - A GPU share beyond the working-set limit (~75 % of RAM) fails like an out-of-memory trial.
 - Fanless machines throttle under sustained load; samples carry seeded noise.
+- Context depth: every generated token reads the K and V cache of every position before it (bytes
+  per element from the cache type: f16 2, q8_0 34/32, q4_0 18/32), and every prompt token attends
+  to the depth and the prompt before it (compute). Flash attention reads the cache at its own
+  fitted efficiency; without it llama.cpp writes and reads the n_head x context score matrix in
+  f32 and runs a few more kernels per layer (it is assumed to read the cache no faster than the
+  flash-attention kernel: no public Metal row measures -fa 0 at a depth). Where the model's
+  attention has no flash-attention kernel on the GPU (Gemma 2's logit soft-capping, at the time
+  of the public row), "on" runs the attention op on the CPU: two hand-overs per layer and the
+  attention's compute on CPU threads; "auto" then means off, as llama.cpp's auto does for an
+  unsupported op.
+- Mixture of experts: a token reads only its experts' weights; ``n_cpu_moe`` keeps the expert
+  tensors of the first layers in host memory, so their bytes go through the CPU's bandwidth and
+  threads; the GPU's working set shrinks by the same bytes.
+- Prompt threads (``n_threads_batch``) pace the CPU part of pp; generation threads the CPU part
+  of tg. Op offload (llama.cpp's default): ggml-metal's ``offload_op`` takes the matmuls of
+  host-resident weights to the GPU for batches of 32 tokens or more, so a micro-batch of pp copies
+  the CPU layers' weights (read and written at the bandwidth) and computes them on the GPU, with
+  two hand-overs per CPU layer; off, the CPU threads compute them.
 
 The GPU constants are fitted by least squares on public llama-bench results for M1 and M2
 (``data/llamacpp_apple_m1_m2.csv``) in physical units (bandwidth, cores x clock); M3 and M4 follow
-from their own bandwidth, cores and clocks.
+from their own bandwidth, cores and clocks. The constants of the newer dimensions (flash attention,
+depth, experts) are fitted one each on the public rows of ``data/llamacpp_apple_dims.csv``
+(``fitted_dims``); docs/benchmarks.md says which dimension rests on which row.
 
 Scenarios: ``calibrated`` (default: llama.cpp runs CPU and GPU parts in sequence; full offload wins
 on Apple Silicon) and ``seed`` (strong contention, CPU and GPU work overlapping, CPU threads
@@ -28,6 +48,7 @@ interior offload of about 24 of 32 layers beats full offload).
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import random
 import re
@@ -44,6 +65,7 @@ from workers.models import (
     QUANT_BPW,
     SIM_SCHEME,
     ModelInfo,
+    arch_shape,
     named_model,
     read_model_info,
 )
@@ -119,7 +141,96 @@ def all_chips() -> list[Fingerprint]:
     return [parse_chip(f"{b.family}/{b.gpu_cores}") for b in chip_table()]
 
 
-NAMED_SHAPES = tuple(name for name in ARCH_SHAPES if name != "tiny")
+@dataclass(frozen=True)
+class SimShape:
+    """What the simulator needs of a model: its layout (from a ``ModelInfo``), and what the newer
+    dimensions need beyond it: the attention's head size (Qwen 3 and Gemma 2 have heads wider than
+    n_embd / n_head), experts, and whether the GPU has a flash-attention kernel for the model's
+    attention. Named shapes the simulator alone knows carry these in ``SIM_SHAPES``."""
+
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    quant: str = "q4_0"
+    tied_embeddings: bool = False
+    head_dim: int = 0  # 0: n_embd / n_head
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    fa_on_gpu: bool = True
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def attn_params(self) -> float:
+        return 2 * self.n_embd * self.n_head * self.hd + 2 * self.n_embd * self.n_head_kv * self.hd
+
+    @property
+    def expert_params(self) -> float:
+        """Every expert tensor of one layer (0 for a dense model)."""
+        return self.n_expert * 3 * self.n_embd * self.n_ff_exp
+
+    @property
+    def layer_params(self) -> float:
+        if not self.n_expert:
+            return self.attn_params + 3 * self.n_embd * self.n_ff
+        return self.attn_params + self.expert_params + self.n_embd * self.n_expert
+
+    @property
+    def active_layer_params(self) -> float:
+        """Parameters one token reads in one layer: its experts only."""
+        if not self.n_expert:
+            return self.layer_params
+        return self.layer_params - self.expert_params * (1 - self.n_expert_used / self.n_expert)
+
+    @property
+    def output_params(self) -> float:
+        return self.n_vocab * self.n_embd
+
+    @property
+    def n_params(self) -> float:
+        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
+
+    @property
+    def kv_elements(self) -> int:
+        """K (or V) values one position stores in one layer."""
+        return self.n_head_kv * self.hd
+
+    def bytes_of(self, params: float) -> float:
+        return params * QUANT_BPW[self.quant] / 8
+
+    @property
+    def file_bytes(self) -> float:
+        return self.bytes_of(self.n_params)
+
+
+# Shapes only the simulator knows (for the public rows of the newer dimensions): name -> (the
+# llama layout as ``arch_shape`` takes it, the simulator's extras).
+SIM_SHAPES = {
+    "qwen3-0.6b": ((28, 1024, 3072, 16, 8, 151936, 40960, 1e6), {"tied_embeddings": True, "head_dim": 128}),
+    "qwen3-30b-a3b": ((48, 2048, 6144, 32, 4, 151936, 40960, 1e6),
+                      {"head_dim": 128, "n_expert": 128, "n_expert_used": 8, "n_ff_exp": 768}),
+    # logit soft-capping: no Metal flash-attention kernel at the build of the public row
+    "gemma2-2b": ((26, 2304, 9216, 8, 4, 256000, 8192, 10000.0),
+                  {"tied_embeddings": True, "head_dim": 256, "fa_on_gpu": False}),
+}
+NAMED_SHAPES = (*(name for name in ARCH_SHAPES if name != "tiny"), *SIM_SHAPES)
+
+
+def as_sim_shape(shape: ModelInfo | SimShape) -> SimShape:
+    """A model as the simulator sees it (a file's or an unknown shape: dense, heads of n_embd / n_head)."""
+    if isinstance(shape, SimShape):
+        return shape
+    extras = SIM_SHAPES.get(shape.shape_name, (None, {}))[1] if is_sim_model(shape.path) else {}
+    return SimShape(n_layer=shape.n_layer, n_embd=shape.n_embd, n_ff=shape.n_ff, n_head=shape.n_head,
+                    n_head_kv=shape.n_head_kv, n_vocab=shape.n_vocab, quant=shape.quant,
+                    tied_embeddings=extras.get("tied_embeddings", shape.tied_embeddings),
+                    **{k: v for k, v in extras.items() if k != "tied_embeddings"})
 
 
 def model_shape(name: str, quant: str) -> ModelInfo:
@@ -129,7 +240,15 @@ def model_shape(name: str, quant: str) -> ModelInfo:
         raise BadInput(f"unknown model shape {name!r}; known: {', '.join(NAMED_SHAPES)}")
     if quant not in QUANT_BPW:
         raise BadInput(f"unknown quantisation {quant!r}; known: {', '.join(QUANT_BPW)}")
-    return named_model(name, quant)
+    if name not in SIM_SHAPES:
+        return named_model(name, quant)
+    layout, extras = SIM_SHAPES[name]
+    canonical = f"{SIM_SCHEME}{name}/{quant}"
+    info = replace(arch_shape(*layout), sha256=hashlib.sha256(canonical.encode()).hexdigest(), path=canonical,
+                   name=f"{name}-{quant}", file_type=quant.upper(),
+                   tied_embeddings=extras.get("tied_embeddings", False))
+    sim = as_sim_shape(info)  # experts and wide heads: the parameters the llama layout leaves out
+    return replace(info, n_params=int(sim.n_params), size_bytes=int(sim.file_bytes))
 
 
 def shape_from_gguf(path: str) -> ModelInfo:
@@ -204,10 +323,10 @@ def fitted_constants() -> GpuConstants:
         one_hot = [1.0 if QUANT_CLASS[r["quant"]] == c else 0.0 for c in classes]
         t_tg = 1 / r["tg128"]
         a_tg.append([read / (chip.bandwidth_gbs * 1e9) / t_tg,
-                     *[h * s.weight_params / core_ghz / t_tg for h in one_hot], s.n_layer / t_tg])
+                     *[h * s.n_params / core_ghz / t_tg for h in one_hot], s.n_layer / t_tg])
         y_tg.append(1.0)
         t_pp = 1 / r["pp512"]  # seconds per prompt token at ubatch 512
-        a_pp.append([*[h * s.weight_params / core_ghz / t_pp for h in one_hot],
+        a_pp.append([*[h * s.n_params / core_ghz / t_pp for h in one_hot],
                      read / (chip.bandwidth_gbs * 1e9) / 512 / t_pp, s.n_layer / 512 / t_pp])
         y_pp.append(1.0)
     x_tg = np.linalg.lstsq(np.array(a_tg), np.array(y_tg), rcond=None)[0]
@@ -220,6 +339,78 @@ def fitted_constants() -> GpuConstants:
         pp_bw_inefficiency=float(x_pp[3]),
         pp_launch_s_per_layer=float(x_pp[4]),
     )
+
+
+@cache
+def dims_rows() -> list[dict]:
+    """The public rows of the newer dimensions (``data/llamacpp_apple_dims.csv``), parsed."""
+    text = resources.files("workers").joinpath("data/llamacpp_apple_dims.csv").read_text()
+    out = []
+    for row in csv.DictReader(line for line in text.splitlines() if not line.startswith("#")):
+        out.append({
+            **row,
+            "chip": parse_chip(f"{row['chip']}/{row['memory_gb']}"),
+            "shape": model_shape(row["model"], row["quant"]),
+            "n_tokens": int(row["n_tokens"]), "depth": int(row["depth"]), "ubatch": int(row["ubatch"]),
+            "tps": float(row["tps"]),
+        })
+    return out
+
+
+def dims_row_params(row: dict) -> BenchParams:
+    """The configuration of a public row: every layer on the GPU, llama-bench's other defaults."""
+    ub = row["ubatch"]
+    return BenchParams(n_gpu_layers=99, n_threads=4, n_batch=max(2048, ub), n_ubatch=ub, flash_attn=row["fa"])
+
+
+def predict_row(row: dict, dims: DimConstants | None = None) -> float:
+    """The predicted tokens/s of a public row's test (pp or tg of its n_tokens at its depth)."""
+    n_prompt, n_gen = (row["n_tokens"], 0) if row["test"] == "pp" else (0, row["n_tokens"])
+    pred = predict(row["chip"], row["shape"], dims_row_params(row), n_prompt, n_gen, depth=row["depth"],
+                   dims=dims)
+    return pred.pp_tps if row["test"] == "pp" else pred.tg_tps
+
+
+@cache
+def fitted_dims() -> DimConstants:
+    """Each constant of the newer dimensions from its one public row (see the CSV's ``role``).
+
+    Ratio rows (flash attention, depth) are fitted so that the predicted ratio to their base row
+    is the measured one: the base model's error on that chip and model does not leak into the
+    constant. The expert constant is fitted on its row's absolute figure.
+    """
+    rows = dims_rows()
+    base = {(r["chip"].label, r["model"], r["quant"], r["test"], r["n_tokens"]): r
+            for r in rows if r["role"] == "base"}
+    values: dict[str, float] = {}
+    zero = DimConstants()
+    for r in rows:
+        if not r["role"].startswith("fit:"):
+            continue
+        name = r["role"].removeprefix("fit:")
+        b = base.get((r["chip"].label, r["model"], r["quant"], r["test"], r["n_tokens"]))
+        shape = as_sim_shape(r["shape"])
+        L = shape.n_layer
+        if name == "moe_tg_s_per_layer":
+            t_pred = 1 / predict_row(r, replace(zero, **values))
+            values[name] = max((1 / r["tps"] - t_pred) / L, 0.0)
+            continue
+        for _ in range(8):  # the base row may depend on the constant too (depth): to a fixed point
+            t_base = 1 / predict_row(b, replace(zero, **values))  # the base row as the model predicts it
+            target = t_base * b["tps"] / r["tps"]  # the same time scaled by the measured ratio
+            if name == "nofa_pp_cycles_per_score":
+                core_ghz = r["chip"].gpu_cores * GPU_CLOCK_GHZ[r["chip"].generation] * 1e9
+                values[name] = (t_base - target) * core_ghz / (L * shape.n_head * CAL_PP_CTX)
+            elif name == "nofa_tg_s_per_layer":
+                values[name] = (t_base - target) / L
+            elif name == "fa_kv_efficiency":
+                # the time the extra depth adds: the cache read at the efficiency sought
+                kv_per_pos = shape.kv_elements * 2 * KV_BYTES["f16"]
+                extra_pos = r["depth"] - b["depth"]
+                values[name] = kv_per_pos * extra_pos * L / (r["chip"].bandwidth_gbs * 1e9 * (target - t_base))
+            elif name == "fa_cpu_handover_s":
+                values[name] = (target - t_base) / (2 * L)
+    return DimConstants(**values)
 
 
 # ---------------------------------------------------------------- the model
@@ -273,26 +464,74 @@ def _thread_speed(chip: Fingerprint, threads: int) -> float:
     return cores * E_CORE_SPEED / OVERSUBSCRIBED_PENALTY * cores / threads
 
 
+KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per cached value (ggml's blocks)
+CAL_PP_CTX = 256  # mean position a pp512 token attends to: the context of the fitted constants
+CAL_TG_CTX = 64  # the same for tg128
+OP_OFFLOAD_MIN_BATCH = 32  # ggml-metal's offload_op: matmuls of host weights from this batch size up
+
+
+@dataclass(frozen=True)
+class DimConstants:
+    """Constants of the newer dimensions, each fitted on one public row (``fitted_dims``)."""
+
+    fa_kv_efficiency: float = 1.0  # share of the bandwidth flash attention reads the KV cache at (tg)
+    nofa_tg_s_per_layer: float = 0.0  # the kernels a layer runs more without flash attention (tg)
+    nofa_pp_cycles_per_score: float = 0.0  # GPU core-cycles per head x position score without FA (pp)
+    fa_cpu_handover_s: float = 0.0  # one GPU<->CPU hand-over of an attention op the GPU cannot run
+    moe_tg_s_per_layer: float = 0.0  # expert routing and gathering per layer per token (tg)
+
+
+def _flash(params: BenchParams, shape: SimShape, on_gpu: bool) -> str:
+    """What flash attention does for this configuration: "on", "off" or "cpu" (on, but the GPU has
+    no kernel for the model's attention, so the op runs on the CPU). "auto" is llama.cpp's: on
+    where the device running the layer has the kernel, else off."""
+    fa = params.flash_attn
+    if fa == "auto":
+        return "on" if (shape.fa_on_gpu or not on_gpu) else "off"
+    if fa == "on" and on_gpu and not shape.fa_on_gpu:
+        return "cpu"
+    return fa
+
+
 def predict(
-    chip: Fingerprint, shape: ModelInfo, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
-    scenario: str = "calibrated",
+    chip: Fingerprint, shape: ModelInfo | SimShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
+    scenario: str = "calibrated", depth: int = 0, dims: DimConstants | None = None,
 ) -> Prediction:
-    """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload)."""
+    """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload),
+    measured after ``depth`` tokens already in the KV cache."""
     sc = SCENARIOS[scenario]
     k = fitted_constants()
+    d = dims if dims is not None else fitted_dims()
+    shape = as_sim_shape(shape)
     L = shape.n_layer
     ngl = max(0, min(params.n_gpu_layers, L + 1))
     gpu_layers = min(ngl, L)
     cpu_layers = L - gpu_layers
     out_on_gpu = ngl > L
-    layer_bytes = shape.bytes_of(shape.layer_params)
-    out_bytes = shape.bytes_of(shape.output_params)
-    gpu_bytes = gpu_layers * layer_bytes + (out_bytes if out_on_gpu else 0.0)
-    cpu_bytes = cpu_layers * layer_bytes + (0.0 if out_on_gpu else out_bytes)
-    gpu_params = gpu_layers * shape.layer_params + (shape.output_params if out_on_gpu else 0.0)
-    cpu_params = shape.n_layer * shape.layer_params + shape.output_params - gpu_params
-    kv_bytes = 2 * L * (n_prompt + n_gen) * shape.n_embd * shape.n_head_kv / shape.n_head * 2
-    need = gpu_bytes + (kv_bytes * gpu_layers / L if L else 0) + params.n_ubatch * shape.n_embd * 64
+    # experts kept in host memory: the first n_cpu_moe layers, of those the GPU would hold
+    moe_cpu = max(0, min(params.n_cpu_moe, L) - cpu_layers) if shape.n_expert and gpu_layers else 0
+    expert_all = shape.expert_params
+    expert_active = expert_all * shape.n_expert_used / shape.n_expert if shape.n_expert else 0.0
+    layer_params, active_params = shape.layer_params, shape.active_layer_params
+    out_params = shape.output_params
+    # weights held (memory) and read per token (tg), each side
+    gpu_held = shape.bytes_of(gpu_layers * layer_params - moe_cpu * expert_all
+                              + (out_params if out_on_gpu else 0.0))
+    gpu_read_params = gpu_layers * active_params - moe_cpu * expert_active + (out_params if out_on_gpu else 0.0)
+    cpu_read_params = cpu_layers * active_params + moe_cpu * expert_active + (0.0 if out_on_gpu else out_params)
+    gpu_bytes, cpu_bytes = shape.bytes_of(gpu_read_params), shape.bytes_of(cpu_read_params)
+    # all weights of a layer are read once per micro-batch in pp (every expert is some token's)
+    gpu_pp_params = gpu_layers * layer_params - moe_cpu * expert_all + (out_params if out_on_gpu else 0.0)
+    cpu_pp_params = cpu_layers * layer_params + moe_cpu * expert_all + (0.0 if out_on_gpu else out_params)
+    # compute per token follows the active parameters
+    gpu_flop_params = gpu_read_params
+    cpu_flop_params = cpu_read_params
+
+    kv_per_pos = shape.kv_elements * (KV_BYTES[params.type_k] + KV_BYTES[params.type_v])  # per layer
+    kv_f16_per_pos = shape.kv_elements * 2 * KV_BYTES["f16"]
+    n_ctx = depth + n_prompt + n_gen
+    kv_bytes = kv_per_pos * n_ctx * gpu_layers
+    need = gpu_held + kv_bytes + params.n_ubatch * shape.n_embd * 64
     limit = chip.memory_bytes * WORKING_SET_FRACTION
     if gpu_layers and need > limit:
         return Prediction(0.0, 0.0, need, False,
@@ -305,61 +544,106 @@ def predict(
     speed_pp = _thread_speed(chip, params.threads_batch)
     cpu_ghz = CPU_CLOCK_GHZ[chip.generation]
     cpu_bw = bw * CPU_BANDWIDTH_SHARE
+    fa_gpu = _flash(params, shape, on_gpu=True)
 
     # contention: active P-core threads take a share of the bandwidth from the GPU
     active = min(threads, chip.p_cores) / chip.p_cores
-    cpu_active = cpu_layers > 0 or (sc.poll_during_gpu and gpu_layers > 0)
+    cpu_active = cpu_layers > 0 or moe_cpu > 0 or (sc.poll_during_gpu and gpu_layers > 0)
     gpu_slowdown = 1 / (1 - sc.contention * active) if cpu_active else 1.0
     gpu_bw = bw / k.bw_inefficiency
+
+    # attention of one generated token, as a change from the context the constants were fitted at
+    ctx_tg = depth + n_gen / 2
+    kv_read = kv_per_pos * ctx_tg
+    kv_read_cal = kv_f16_per_pos * CAL_TG_CTX
+    scores = shape.n_head * 4 * 4  # f32 scores written and read twice each, per position (no FA)
+    if fa_gpu == "on":
+        attn_tg = kv_read / (bw * d.fa_kv_efficiency) - kv_read_cal / gpu_bw - d.nofa_tg_s_per_layer
+    else:  # the cache read no faster than the flash-attention kernel reads it, and the scores
+        attn_tg = (kv_read - kv_read_cal) / (bw * d.fa_kv_efficiency) + scores * (ctx_tg - CAL_TG_CTX) / gpu_bw
+        if fa_gpu == "cpu":
+            attn_tg += 2 * d.fa_cpu_handover_s
 
     # tg: one token
     t_gpu = 0.0
     if gpu_layers:
-        t_gpu = gpu_slowdown * (gpu_bytes / gpu_bw + gpu_params * k.dequant_s_per_param_core_ghz[qc] / core_ghz
-                                + gpu_layers * k.launch_s_per_layer)
+        t_gpu = gpu_slowdown * (gpu_bytes / gpu_bw + gpu_flop_params * k.dequant_s_per_param_core_ghz[qc] / core_ghz
+                                + gpu_layers * (k.launch_s_per_layer + attn_tg)
+                                + (gpu_layers - moe_cpu if shape.n_expert else 0) * d.moe_tg_s_per_layer)
+    cpu_kv = cpu_layers * max(kv_read - kv_read_cal, 0.0)
     t_cpu = 0.0
     if cpu_bytes:
-        t_cpu = max(cpu_bytes / (speed_tg * sc.cpu_speed * CPU_BYTES_PER_S_PER_GHZ * cpu_ghz),
-                    cpu_bytes / cpu_bw)
+        read = cpu_bytes + cpu_kv
+        t_cpu = max(read / (speed_tg * sc.cpu_speed * CPU_BYTES_PER_S_PER_GHZ * cpu_ghz), read / cpu_bw)
         t_cpu /= 1 - (sc.cpu_contention if gpu_layers else 0.0)
     handovers = 0 if ngl == 0 or out_on_gpu else 2
     if out_on_gpu and cpu_layers:
         handovers = 1
+    handovers += 2 * moe_cpu
     t_tg = (1 - sc.overlap) * (t_gpu + t_cpu) + sc.overlap * max(t_gpu, t_cpu) + handovers * sc.handover_s
 
     # pp: per prompt token, batched in micro-batches of n_ubatch
     ub = max(1, min(params.n_ubatch, params.n_batch, max(n_prompt, 1)))
+    ctx_pp = depth + n_prompt / 2
+    gpu_s_per_flop = k.pp_s_per_param_core_ghz["f16"] / 2 / core_ghz  # attention runs in f16
+    attn_flops = 4 * shape.n_head * shape.hd  # per position attended to, per layer
+    nofa_scores = d.nofa_pp_cycles_per_score * shape.n_head / core_ghz  # per position, per layer
+    attn_pp = attn_flops * (ctx_pp - CAL_PP_CTX) * gpu_s_per_flop - nofa_scores * CAL_PP_CTX
+    cpu_attn_flops = 0.0
+    if fa_gpu == "off":
+        attn_pp += nofa_scores * ctx_pp
+    elif fa_gpu == "cpu":  # the attention op of every GPU layer on the CPU's batch threads
+        attn_pp -= attn_flops * (ctx_pp - CAL_PP_CTX) * gpu_s_per_flop
+        attn_pp += 2 * d.fa_cpu_handover_s / ub
+        cpu_attn_flops = gpu_layers * attn_flops * ctx_pp
     p_gpu = 0.0
     if gpu_layers:
-        p_gpu = gpu_slowdown * (gpu_params * k.pp_s_per_param_core_ghz[qc] / core_ghz
-                                + gpu_bytes * k.pp_bw_inefficiency / bw / ub
-                                + gpu_layers * k.pp_launch_s_per_layer / ub)
+        p_gpu = gpu_slowdown * (gpu_flop_params * k.pp_s_per_param_core_ghz[qc] / core_ghz
+                                + shape.bytes_of(gpu_pp_params) * k.pp_bw_inefficiency / bw / ub
+                                + gpu_layers * k.pp_launch_s_per_layer / ub
+                                + gpu_layers * attn_pp)
     p_cpu = 0.0
-    if cpu_params:
-        flops = 2 * cpu_params
-        p_cpu = flops / (speed_pp * sc.cpu_speed * CPU_FLOPS_PER_GHZ * cpu_ghz) + cpu_bytes / cpu_bw / ub
-    t_pp = (1 - sc.overlap) * (p_gpu + p_cpu) + sc.overlap * max(p_gpu, p_cpu) + handovers * sc.handover_s / ub
+    weight_flops, pp_handovers = 2 * cpu_flop_params, handovers
+    if params.op_offload and ub >= OP_OFFLOAD_MIN_BATCH and cpu_pp_params:
+        # the matmuls of host-resident weights run on the GPU, their weights copied over first
+        p_gpu += (2 * shape.bytes_of(cpu_pp_params) / bw / ub
+                  + cpu_flop_params * k.pp_s_per_param_core_ghz[qc] / core_ghz)
+        weight_flops, pp_handovers = 0.0, handovers + 2 * cpu_layers
+    cpu_pp_flops = weight_flops + cpu_layers * attn_flops * max(ctx_pp - CAL_PP_CTX, 0) + cpu_attn_flops
+    if cpu_pp_flops:
+        p_cpu = cpu_pp_flops / (speed_pp * sc.cpu_speed * CPU_FLOPS_PER_GHZ * cpu_ghz)
+        if weight_flops:
+            p_cpu += shape.bytes_of(cpu_pp_params) / cpu_bw / ub
+    t_pp = (1 - sc.overlap) * (p_gpu + p_cpu) + sc.overlap * max(p_gpu, p_cpu) + pp_handovers * sc.handover_s / ub
     return Prediction(pp_tps=1 / t_pp, tg_tps=1 / t_tg, gpu_bytes=need, fits=True)
 
 
-def search_grid(chip: Fingerprint, shape: ModelInfo, batch_choices=(128, 256, 512, 1024, 2048)):
-    """Every configuration of the exhaustive grid (ngl x threads x batch; ubatch = min(512, b))."""
+def search_grid(chip: Fingerprint, shape: ModelInfo, batch_choices=(128, 256, 512, 1024, 2048), depth: int = 0):
+    """Every configuration of the exhaustive grid (ngl x threads x batch x flash attention;
+    ubatch = min(512, b)); at a depth also the KV cache types (K = V, quantized only with FA on)."""
+    caches = [("f16", "f16")]
+    if depth:
+        caches += [("q8_0", "q8_0"), ("q4_0", "q4_0")]
     for ngl in range(shape.n_layer + 2):
         for threads in range(1, chip.p_cores + chip.e_cores + 1):
             for batch in batch_choices:
-                yield BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch,
-                                  n_ubatch=min(512, batch))
+                for fa in ("off", "on"):
+                    for type_k, type_v in caches:
+                        if type_v != "f16" and fa != "on":
+                            continue
+                        yield BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch,
+                                          n_ubatch=min(512, batch), flash_attn=fa, type_k=type_k, type_v=type_v)
 
 
 def optimum(chip: Fingerprint, shape: ModelInfo, objective: str = "tg", n_prompt: int = 512,
-            n_gen: int = 128, scenario: str = "calibrated") -> tuple[BenchParams, Prediction, float]:
+            n_gen: int = 128, scenario: str = "calibrated", depth: int = 0) -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
     from workers.objective import objective as named_objective
 
     named_objective(objective).check_workload(n_prompt, n_gen)  # tg of 0 tokens has no optimum
     best = None
-    for params in search_grid(chip, shape):
-        pred = predict(chip, shape, params, n_prompt, n_gen, scenario)
+    for params in search_grid(chip, shape, depth=depth):
+        pred = predict(chip, shape, params, n_prompt, n_gen, scenario, depth=depth)
         if not pred.fits:
             continue
         value = _objective(pred, objective, n_prompt, n_gen)
@@ -418,13 +702,15 @@ class SimulatedNode:
         except BadInput as exc:
             return TrialResult.failure(spec.trial_key, str(exc), FailureKind.BAD_CONFIG, simulated=True)
         w: Workload = spec.workload
-        pred = predict(self.chip, shape, spec.params, w.n_prompt, w.n_gen, self.scenario)
+        pred = predict(self.chip, shape, spec.params, w.n_prompt, w.n_gen, self.scenario,
+                       depth=getattr(w, "depth", 0))
         if not pred.fits:
             return TrialResult.failure(spec.trial_key, pred.reason, FailureKind.OUT_OF_MEMORY, simulated=True,
                                        started_at=started, finished_at=time.time())
         rng = random.Random(f"{self.seed}:{spec.trial_key}:{spec.params}")
         throttle = self.THROTTLE_FACTOR if (fanless(self.chip) and self.heat > self.THROTTLE_AFTER_S) else 1.0
-        samples, sim_seconds = [], shape.weight_bytes / 5e9  # load from SSD at ~5 GB/s
+        load_s = as_sim_shape(shape).file_bytes / 5e9  # load from SSD at ~5 GB/s
+        samples, sim_seconds = [], load_s
         for kind, n_tokens, rate in (("pp", w.n_prompt, pred.pp_tps), ("tg", w.n_gen, pred.tg_tps)):
             if n_tokens <= 0:
                 continue
@@ -439,7 +725,7 @@ class SimulatedNode:
         elif self.time_scale > 0:
             time.sleep(sim_seconds * self.time_scale)  # the trial's duration, scaled; not synchronisation
         return TrialResult(
-            trial_key=spec.trial_key, ok=True, samples=samples, load_s=shape.weight_bytes / 5e9,
+            trial_key=spec.trial_key, ok=True, samples=samples, load_s=load_s,
             peak_rss_bytes=int(pred.gpu_bytes), thermal_before="nominal",
             thermal_after="fair" if throttle < 1 else "nominal", started_at=started,
             finished_at=time.time(), measure_s=sim_seconds, simulated=True,

@@ -15,7 +15,7 @@ PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 # shellcheck disable=SC2086
 $PY -m pip download -q --no-deps $PLAT -d "$D/whl" optuna==5.0.0 sqlalchemy==2.1.9 alembic==1.20.1 \
     gguf==0.19.0 platformdirs jsonschema referencing rpds-py jsonschema-specifications diskcache \
-    colorlog mako greenlet
+    colorlog mako greenlet llama-optimus==0.1.9
 # shellcheck disable=SC2086
 $PY -m pip download -q --no-deps $PLAT -d "$TMP" ray==2.60.0
 (cd "$TMP" && mkdir ray && cd ray && unzip -q ../ray-*.whl &&

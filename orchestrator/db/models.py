@@ -105,6 +105,7 @@ class Study(Base):
     objective: Mapped[str] = mapped_column(String(10))
     n_prompt: Mapped[int] = mapped_column(Integer)
     n_gen: Mapped[int] = mapped_column(Integer)
+    depth: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # tokens in the cache first
     reps: Mapped[int] = mapped_column(Integer)
     sampler: Mapped[str] = mapped_column(String(20))
     budget: Mapped[int] = mapped_column(Integer)
@@ -180,7 +181,7 @@ class Recommendation(Base):
 
     __tablename__ = "ft_recommendations"
     __table_args__ = (
-        UniqueConstraint("chip_id", "model_id", "objective", "n_prompt", "n_gen", "version"),
+        UniqueConstraint("chip_id", "model_id", "objective", "n_prompt", "n_gen", "depth", "version"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     chip_id: Mapped[int] = mapped_column(ForeignKey("ft_chips.id"))
@@ -189,6 +190,7 @@ class Recommendation(Base):
     objective: Mapped[str] = mapped_column(String(10))
     n_prompt: Mapped[int] = mapped_column(Integer)
     n_gen: Mapped[int] = mapped_column(Integer)
+    depth: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     version: Mapped[int] = mapped_column(Integer)
     params: Mapped[dict] = mapped_column(JSON)
     expected_tps: Mapped[float] = mapped_column(Float)
@@ -196,8 +198,9 @@ class Recommendation(Base):
     interval_high: Mapped[float] = mapped_column(Float)
     expected_pp_tps: Mapped[float | None] = mapped_column(Float)
     expected_tg_tps: Mapped[float | None] = mapped_column(Float)
-    baseline_tps: Mapped[float | None] = mapped_column(Float)
+    baseline_tps: Mapped[float | None] = mapped_column(Float)  # llama-cpp-python's defaults
     improvement: Mapped[float | None] = mapped_column(Float)
+    baselines: Mapped[dict | None] = mapped_column(JSON)  # every baseline measured: name -> its value
     evidence: Mapped[list] = mapped_column(JSON)
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     source: Mapped[str] = mapped_column(String(20), default="study")

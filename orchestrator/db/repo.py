@@ -160,7 +160,7 @@ def free_study_name(session: Session, base: str) -> str:
 
 
 def latest_study(
-    session: Session, chip_id: int, model_id: int, objective: str, n_prompt: int, n_gen: int
+    session: Session, chip_id: int, model_id: int, objective: str, n_prompt: int, n_gen: int, depth: int = 0
 ) -> Study | None:
     return session.scalar(
         select(Study)
@@ -170,6 +170,7 @@ def latest_study(
             Study.objective == objective,
             Study.n_prompt == n_prompt,
             Study.n_gen == n_gen,
+            Study.depth == depth,
         )
         .order_by(Study.created_at.desc(), Study.id.desc())
     )
@@ -458,12 +459,14 @@ class NewRecommendation:
     n_gen: int
     draft: RecommendationDraft
     source: str = "study"
+    depth: int = 0
 
     def columns(self) -> dict:
         d = self.draft
         return {
             "chip_id": self.chip_id, "model_id": self.model_id, "study_id": self.study_id,
-            "objective": self.objective, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "objective": self.objective, "n_prompt": self.n_prompt, "n_gen": self.n_gen, "depth": self.depth,
+            "baselines": d.baselines or None,
             "params": d.params.to_dict(), "expected_tps": d.expected_tps, "interval_low": d.interval_low,
             "interval_high": d.interval_high, "expected_pp_tps": d.expected_pp_tps,
             "expected_tg_tps": d.expected_tg_tps, "baseline_tps": d.baseline_tps,
@@ -483,6 +486,7 @@ def add_recommendation(session: Session, new: NewRecommendation) -> Recommendati
                 Recommendation.objective == fields["objective"],
                 Recommendation.n_prompt == fields["n_prompt"],
                 Recommendation.n_gen == fields["n_gen"],
+                Recommendation.depth == fields["depth"],
             )
         )
         or 0
@@ -494,6 +498,7 @@ def add_recommendation(session: Session, new: NewRecommendation) -> Recommendati
             Recommendation.objective == fields["objective"],
             Recommendation.n_prompt == fields["n_prompt"],
             Recommendation.n_gen == fields["n_gen"],
+            Recommendation.depth == fields["depth"],
             Recommendation.version == version,
         ))
         if latest is not None and _same_recommendation(latest, fields):
@@ -511,7 +516,7 @@ def _same_recommendation(row: Recommendation, fields: dict) -> bool:
         if isinstance(value, float) and isinstance(stored, float):
             if abs(value - stored) > 1e-9 * max(1.0, abs(stored)):
                 return False
-        elif key in ("params", "evidence"):
+        elif key in ("params", "evidence", "baselines"):
             if json.dumps(stored, sort_keys=True) != json.dumps(value, sort_keys=True):
                 return False
         elif stored != value:
@@ -536,7 +541,7 @@ def latest_recommendations(
     rows = list(session.scalars(query.order_by(Recommendation.version.desc())).unique())
     newest: dict[tuple, Recommendation] = {}
     for rec in rows:
-        key = (rec.chip_id, rec.model_id, rec.objective, rec.n_prompt, rec.n_gen, rec.simulated)
+        key = (rec.chip_id, rec.model_id, rec.objective, rec.n_prompt, rec.n_gen, rec.depth, rec.simulated)
         newest.setdefault(key, rec)
     return sorted(newest.values(), key=lambda r: (r.chip.key, r.simulated, r.objective))
 
