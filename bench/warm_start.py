@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from search_efficiency import WORKLOAD, first_design, grid_optimum, run_study, space_for, true_value  # noqa: E402
 
-from orchestrator.transfer import ConfigPredictor, Example, features  # noqa: E402
+from orchestrator.transfer import ConfigPredictor, Example  # noqa: E402
 from workers import simulated  # noqa: E402
 
 MODEL = ("llama2-7b", "q4_0")
@@ -48,11 +48,11 @@ def main() -> int:
     known = {}
     for chip in chips:
         params, _, value = simulated.optimum(chip, shape, "tg", scenario=args.scenario)
-        known[chip.chip_key] = Example(chip.chip_key, features(chip, model), params, value)
+        known[chip.chip_key] = Example(chip.chip_key, chip, model, params, value)
     cold, warm, quality = [], [], []
     for chip in chips:
         predictor = ConfigPredictor([e for k, e in known.items() if k != chip.chip_key])
-        pred = predictor.predict(features(chip, model))
+        pred = predictor.predict(chip, model)
         configs = [pred.params, *(p for _, p in pred.nearest)]
         space = space_for(chip, shape)
         optimum = grid_optimum(chip, shape, space, "tg", args.scenario)
