@@ -23,6 +23,7 @@ Trust, step by step:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,10 +38,12 @@ from workers.trial import BenchParams, TrialSpec, Workload
 VERIFY_REPS = 2
 APPLY_TIMEOUT_S = 60.0
 SWITCH_TIMEOUT_S = 300.0  # a serving canary has this long to start serving the new config
-PROBE_REQUESTS = 4  # served requests per node and analysis
+PROBE_ROUNDS = 6  # served A/B rounds (one sample per node each), after one warm-up round
+MIN_ROUNDS = 3  # rounds always taken; more only within PROBE_BUDGET_S
+PROBE_BUDGET_S = 20.0  # keeps a regression's detection well inside a minute of its apply
 PROBE_MAX_PROMPT, PROBE_MAX_GEN = 1024, 128  # the workload, bounded to what a 2048 context holds
 MAX_CONTROLS = 2  # same-chip nodes on the old config measured beside each canary
-SNAPSHOT_REQUESTS = 2  # served requests per node before its apply and after promotion (the record)
+SNAPSHOT_ROUNDS = 5  # served samples per node before its apply and after promotion (the record)
 
 
 @dataclass(frozen=True)
@@ -172,9 +175,10 @@ class Applier:
             return None
         return status if status and status.get("fresh") else None
 
-    def probe(self, node_id: str, n_prompt: int, n_gen: int, n_requests: int = PROBE_REQUESTS) -> dict:
-        """The workload's prompt set sent to the node's own server; the summary (workers.probe)."""
-        ref = dispatch.on_node(agent.probe_served, node_id).remote(node_id, n_prompt, n_gen, n_requests)
+    def probe(self, node_id: str, n_prompt: int, n_gen: int, n_requests: int = 1, first: int = 0) -> dict:
+        """The workload's prompt set (numbered from ``first``) sent to the node's own server; the
+        summary with each sample (workers.probe)."""
+        ref = dispatch.on_node(agent.probe_served, node_id).remote(node_id, n_prompt, n_gen, n_requests, 300, first)
         return self._ray.get(ref, timeout=600)
 
     def verify(self, node_id: str, chip_key: str, model: ModelInfo, payload: dict, timeout_s: float = 600
@@ -360,9 +364,50 @@ class Verdict:
 
 
 def _served_rate(objective, summary: dict, n_prompt: int, n_gen: int) -> float | None:
+    """The objective's rate from the server's service figures (the fastest samples: workers.probe)."""
     if not summary.get("served") or summary.get("errors"):
         return None
-    return objective.rate(summary.get("pp_tps"), summary.get("tg_tps"), n_prompt, n_gen)
+    return objective.rate(summary.get("best_pp_tps"), summary.get("best_tg_tps"), n_prompt, n_gen)
+
+
+def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_gen: int,
+                      rounds: int = PROBE_ROUNDS, budget_s: float = PROBE_BUDGET_S) -> dict[str, dict]:
+    """Served samples from several nodes, in turn: a warm-up round whose timings are dropped (a
+    server that has just started pays first-use costs; its failures still count), then rounds of
+    one sample per node, the order rotated each round, so that every node is measured across the
+    same stretch of time and background load (on a shared machine that load moves by more than
+    the differences being judged). Rounds past ``MIN_ROUNDS`` only within ``budget_s``. Per node:
+    the summary of its samples (workers.probe.summarise) with the config versions it served."""
+    from workers.probe import RequestResult, summarise
+
+    samples: dict[str, list[RequestResult]] = {n: [] for n in node_ids}
+    versions: dict[str, set] = {n: set() for n in node_ids}
+    refused: dict[str, dict] = {}
+    started = time.monotonic()
+    for round_no in range(rounds + 1):
+        if round_no > MIN_ROUNDS and time.monotonic() - started > budget_s:
+            break
+        shift = round_no % len(node_ids)
+        for node_id in node_ids[shift:] + node_ids[:shift]:
+            if node_id in refused:
+                continue
+            out = applier.probe(node_id, n_prompt, n_gen, 1, first=round_no)
+            if not out.get("served"):
+                refused[node_id] = out
+                continue
+            versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
+            results = [RequestResult(**r) for r in out.get("results", [])]
+            samples[node_id] += results if round_no else [r for r in results if not r.ok]
+    summaries = {}
+    for node_id in node_ids:
+        if node_id in refused:
+            summaries[node_id] = refused[node_id]
+            continue
+        summaries[node_id] = {"served": True, **summarise(samples[node_id], n_prompt),
+                              "config_versions": sorted(v for v in versions[node_id] if v is not None),
+                              "samples": [[r.ttft_s, r.total_s, r.n_prompt, r.n_gen] for r in samples[node_id]
+                                          if r.ok]}
+    return summaries
 
 
 def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: Applier, tolerance: float
@@ -372,7 +417,9 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     A node that serves (``fleettune serve``) is judged on served traffic: once it serves the new
     config, the workload's fixed prompt set goes through its OpenAI API and through those of up to
     ``MAX_CONTROLS`` same-chip nodes still on the old config (A/B, as Argo Rollouts' analysis
-    does). It fails on any failed request, on a rate below the control group's by more than the
+    does), in interleaved rounds (``probe_interleaved``), each node's rate taken from its fastest
+    samples (``workers.probe``: waiting behind other clients and for a shared CPU only adds time).
+    It fails on any failed request, on a rate below the control group's by more than the
     tolerance, or below the expected figure by more than the tolerance; served traffic carries
     HTTP and sampling costs a benchmark does not, so the expected figure is compared in kind: scaled
     by the control group's served rate over its own config's expected figure, where that is known.
@@ -400,13 +447,14 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     if not switched:
         return Verdict(None, f"{where}: does not serve config {payload['version']} within "
                        f"{SWITCH_TIMEOUT_S:g}s", {"method": "served", "status": status}, "not switched")
-    canary = applier.probe(row.node_id, n_prompt_p, n_gen_p)
+    serving_controls = [c for c in controls if applier.serve_status(c.node_id) is not None][:MAX_CONTROLS]
+    figures_of = probe_interleaved(applier, [row.node_id, *(c.node_id for c in serving_controls)],
+                                   n_prompt_p, n_gen_p)
+    canary = figures_of[row.node_id]
     rate = _served_rate(obj, canary, n_prompt_p, n_gen_p)
     control_figures = []
-    for control in controls[:MAX_CONTROLS]:
-        if applier.serve_status(control.node_id) is None:
-            continue
-        figures = applier.probe(control.node_id, n_prompt_p, n_gen_p)
+    for control in serving_controls:
+        figures = figures_of[control.node_id]
         figures["rate"] = _served_rate(obj, figures, n_prompt_p, n_gen_p)
         try:
             held = applier.read(control.node_id)
@@ -421,6 +469,9 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     analysis = {"method": "served", "objective": obj.name, "workload": [n_prompt_p, n_gen_p],
                 "canary": canary, "rate": rate, "controls": control_figures, "control_rate": control_rate,
                 "expected": expected, "tolerance": tolerance}
+    if canary.get("served") and canary.get("config_versions") != [int(payload["version"])]:
+        return Verdict(None, f"{where}: served config(s) {canary.get('config_versions')} while measured, "
+                       f"not {payload['version']} only", analysis, "switched away")
     if rate is None:
         if canary.get("errors"):
             why = (f"{canary['errors']} of {canary.get('requests', '?')} served requests failed "
@@ -428,7 +479,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
         else:
             why = f"no {obj.name} rate from its served requests ({canary.get('n_gen')} tokens generated)"
         return Verdict(None, f"{where}: {why}", analysis, "no rate")
-    summary = f"{rate:.2f} tok/s served ({obj.name}), ttft {canary['ttft_s'] * 1000:.0f} ms"
+    summary = f"{rate:.2f} tok/s served ({obj.name}), ttft {canary['best_ttft_s'] * 1000:.0f} ms"
     if control_rate:
         analysis["ab_floor"] = control_rate * (1 - tolerance)
         if rate < analysis["ab_floor"]:
@@ -456,18 +507,21 @@ def served_snapshot(applier: Applier, row: _Row) -> dict | None:
     n_prompt, n_gen = _workload(row.config)
     n_prompt, n_gen = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
     try:
-        summary = applier.probe(row.node_id, n_prompt, n_gen, SNAPSHOT_REQUESTS)
+        summary = probe_interleaved(applier, [row.node_id], n_prompt, n_gen, SNAPSHOT_ROUNDS)[row.node_id]
     except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
         return {"error": str(exc)}
-    return {"rate": _served_rate(obj, summary, n_prompt, n_gen), "ttft_s": summary.get("ttft_s"),
-            "tg_tps": summary.get("tg_tps"), "pp_tps": summary.get("pp_tps"), "errors": summary.get("errors"),
-            "config_version": summary.get("config_version")}
+    rates = [obj.rate(p / ttft, (g - 1) / (total - ttft) if g > 1 and total > ttft else None, n_prompt, n_gen)
+             for ttft, total, p, g in summary.get("samples", [])]
+    return {"rate": _served_rate(obj, summary, n_prompt, n_gen), "sample_rates": [r for r in rates if r],
+            "ttft_s": summary.get("ttft_s"),
+            "best_ttft_s": summary.get("best_ttft_s"), "tg_tps": summary.get("tg_tps"),
+            "pp_tps": summary.get("pp_tps"), "best_tg_tps": summary.get("best_tg_tps"),
+            "best_pp_tps": summary.get("best_pp_tps"), "requests": summary.get("requests"),
+            "errors": summary.get("errors"), "config_versions": summary.get("config_versions")}
 
 
 def _wait_serving(applier: Applier, node_id: str, version: int) -> bool:
     """Poll the node until its server answers with config ``version`` (deadline SWITCH_TIMEOUT_S)."""
-    import time
-
     deadline = time.monotonic() + SWITCH_TIMEOUT_S
     while time.monotonic() < deadline:
         status = applier.serve_status(node_id)
