@@ -4,8 +4,10 @@ A local Ray cluster of three nodes of this machine's chip, each running `fleettu
 SmolLM2-135M (llama-cpp-python's server on loopback). First an operator's pin goes out to every
 node (``--params '-t 1 -b 8 -ub 8'``, tolerance 90 %, so it is promoted: the "before"), then the tuned
 recommendation (tg, 2 trials): its rollout records, per node, the served rate just before its apply
-and after the promotion (``analysis.before`` / ``analysis.after`` of ``rollout status --json``).
-The figure and the table printed come from those records only.
+and after the promotion (``analysis.before`` / ``analysis.after`` of ``rollout status --json``: five
+samples each, a one-token and a full request of the workload per sample). The figure and the table
+printed come from those records only: per node the median of the five samples' rates with their
+range, and the service rate (from the fastest samples) the canary analysis judges on.
 
     python bench/serve_rollout.py -o docs/plots/rollout-served.png
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,22 +92,28 @@ def main() -> None:
         cluster.shutdown()
 
     print(f"rollout {rollout_id}: {rows[0]['rollout_state']}, config {rows[0]['flags']}")
-    print(f"{'node':14} {'stage':>5} {'before tok/s':>13} {'after tok/s':>12}")
-    labels, before, after = [], [], []
+    print(f"{'node':14} {'stage':>5} {'before: median (range), service':>34} {'after: median (range), service':>34}")
+    labels, figures = [], {"before": [], "after": []}
     for row in rows:
         analysis = row["analysis"] or {}
-        b, a = (analysis.get("before") or {}).get("rate"), (analysis.get("after") or {}).get("rate")
-        print(f"{row['node']:14} {row['stage']:>5} {b or float('nan'):>13.1f} {a or float('nan'):>12.1f}")
+        cells = []
+        for when in ("before", "after"):
+            record = analysis.get(when) or {}
+            samples = sorted(record.get("sample_rates") or [float("nan")])
+            median = statistics.median(samples)
+            figures[when].append((median, samples[0], samples[-1]))
+            cells.append(f"{median:.1f} ({samples[0]:.1f}-{samples[-1]:.1f}), {record.get('rate') or float('nan'):.1f}")
+        print(f"{row['node']:14} {row['stage']:>5} {cells[0]:>34} {cells[1]:>34}")
         stage = "canary" if row["stage"] == 0 else f"wave {row['stage']}"
         labels.append(f"{row['node'][:8]}\n{stage}")
-        before.append(b or 0.0)
-        after.append(a or 0.0)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], before, width=0.4, label="before (pin -t 1 -b 8)")
-    ax.bar([x + 0.2 for x in xs], after, width=0.4, label=f"after ({rows[0]['flags']})")
+    for when, shift, label in (("before", -0.2, "before (pin -t 1 -b 8)"), ("after", 0.2, f"after ({rows[0]['flags']})")):
+        medians = [m for m, _, _ in figures[when]]
+        errors = [[m - lo for m, lo, _ in figures[when]], [hi - m for m, _, hi in figures[when]]]
+        ax.bar([x + shift for x in xs], medians, width=0.4, yerr=errors, capsize=3, label=label)
     ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("served tg tok/s (median of 2 requests)")
+    ax.set_ylabel("served tg tok/s (median, range of 5)")
     ax.set_title(f"rollout {rollout_id}: served rate per node, from the rollout's records")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -625,6 +625,7 @@ def status_rows(db: Database, rollout_id: int | None = None) -> list[dict]:
                  "node": n.ray_node_id[:12], "ray_node_id": n.ray_node_id, "stage": n.stage,
                  "state": n.state, "flags": BenchParams.from_dict(n.config["params"]).llama_cpp_flags(),
                  "version": n.config["version"], "measured_tps": n.measured_tps,
+                 "control_tps": (n.analysis or {}).get("control_rate"),
                  "expected_tps": n.config["expected_tps"], "analysis": n.analysis, "reason": n.reason}
                 for n in repo.rollout_nodes(s, rollout.id)]
 
