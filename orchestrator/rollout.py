@@ -23,6 +23,7 @@ Trust, step by step:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -391,7 +392,10 @@ def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_ge
         for node_id in node_ids[shift:] + node_ids[:shift]:
             if node_id in refused:
                 continue
-            out = applier.probe(node_id, n_prompt, n_gen, 1, first=round_no)
+            try:
+                out = applier.probe(node_id, n_prompt, n_gen, 1, first=round_no)
+            except Exception as exc:  # noqa: BLE001 - a node lost mid-analysis: no figures from it
+                out = {"served": False, "error": f"{type(exc).__name__}: {exc}"}
             if not out.get("served"):
                 refused[node_id] = out
                 continue
@@ -465,7 +469,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
         figures["node"] = control.node_id
         control_figures.append(figures)
     rates = [c["rate"] for c in control_figures if c["rate"]]
-    control_rate = sorted(rates)[len(rates) // 2] if rates else None
+    control_rate = statistics.median(rates) if rates else None  # of two: their mean, not the faster one
     analysis = {"method": "served", "objective": obj.name, "workload": [n_prompt_p, n_gen_p],
                 "canary": canary, "rate": rate, "controls": control_figures, "control_rate": control_rate,
                 "expected": expected, "tolerance": tolerance}
@@ -473,7 +477,9 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
         return Verdict(None, f"{where}: served config(s) {canary.get('config_versions')} while measured, "
                        f"not {payload['version']} only", analysis, "switched away")
     if rate is None:
-        if canary.get("errors"):
+        if not canary.get("served"):
+            why = f"no served figures ({canary.get('error')})"
+        elif canary.get("errors"):
             why = (f"{canary['errors']} of {canary.get('requests', '?')} served requests failed "
                    f"({'; '.join(canary.get('failures') or [])})")
         else:
