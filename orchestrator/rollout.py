@@ -43,6 +43,10 @@ PROBE_ROUNDS = 6  # served A/B rounds (one sample per node each), after one warm
 MIN_ROUNDS = 3  # rounds always taken; more only within PROBE_BUDGET_S
 PROBE_BUDGET_S = 20.0  # keeps a regression's detection well inside a minute of its apply
 PROBE_MAX_PROMPT, PROBE_MAX_GEN = 1024, 128  # the workload, bounded to what a 2048 context holds
+# A sample's full request generates at least this many tokens: its generation rate is the difference
+# of two request times, and with a workload's 8 tokens that difference (about 70 ms here) was no
+# larger than what another client's request or a busy CPU adds to either time (bench/serve_canary_noise.py)
+PROBE_MIN_GEN = 32
 MAX_CONTROLS = 2  # same-chip nodes on the old config measured beside each canary
 SNAPSHOT_ROUNDS = 5  # served samples per node before its apply and after promotion (the record)
 
@@ -446,6 +450,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
                            f"{floor:.2f} ({expected:.2f} - {tolerance:.0%})", analysis, got)
         return Verdict(measured, None, analysis, f"{measured:.2f} tok/s")
     n_prompt_p, n_gen_p = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
+    n_gen_measured = min(max(n_gen_p, PROBE_MIN_GEN), PROBE_MAX_GEN)
     where = f"canary {row.node_id[:12]} ({row.chip_key})"
     switched = _wait_serving(applier, row.node_id, int(payload["version"]))
     if not switched:
@@ -453,7 +458,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
                        f"{SWITCH_TIMEOUT_S:g}s", {"method": "served", "status": status}, "not switched")
     serving_controls = [c for c in controls if applier.serve_status(c.node_id) is not None][:MAX_CONTROLS]
     figures_of = probe_interleaved(applier, [row.node_id, *(c.node_id for c in serving_controls)],
-                                   n_prompt_p, n_gen_p)
+                                   n_prompt_p, n_gen_measured)
     canary = figures_of[row.node_id]
     rate = _served_rate(obj, canary, n_prompt_p, n_gen_p)
     control_figures = []
@@ -471,6 +476,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     rates = [c["rate"] for c in control_figures if c["rate"]]
     control_rate = statistics.median(rates) if rates else None  # of two: their mean, not the faster one
     analysis = {"method": "served", "objective": obj.name, "workload": [n_prompt_p, n_gen_p],
+                "generated_per_sample": n_gen_measured,
                 "canary": canary, "rate": rate, "controls": control_figures, "control_rate": control_rate,
                 "expected": expected, "tolerance": tolerance}
     if canary.get("served") and canary.get("config_versions") != [int(payload["version"])]:
@@ -513,7 +519,8 @@ def served_snapshot(applier: Applier, row: _Row) -> dict | None:
     n_prompt, n_gen = _workload(row.config)
     n_prompt, n_gen = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
     try:
-        summary = probe_interleaved(applier, [row.node_id], n_prompt, n_gen, SNAPSHOT_ROUNDS)[row.node_id]
+        summary = probe_interleaved(applier, [row.node_id], n_prompt, min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN),
+                                    SNAPSHOT_ROUNDS)[row.node_id]
     except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
         return {"error": str(exc)}
     rates = [obj.rate(p / ttft, (g - 1) / (total - ttft) if g > 1 and total > ttft else None, n_prompt, n_gen)
