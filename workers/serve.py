@@ -265,7 +265,7 @@ class Supervisor:
         if live is None or live.proc.poll() is not None:  # never started, or died
             if live is not None:
                 self.restarts += 1
-            self.current = self._spawn(wanted)
+            self.current, self.healthy = self._spawn(wanted), False  # healthy again once checked
             self.pending = None
         elif wanted != live.config and wanted != self.refused and not self.pending:
             if self.kind.takes_socket:
@@ -277,7 +277,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     live.proc.kill()
                     live.proc.wait()
-                self.current = self._spawn(wanted)
+                self.current, self.healthy = self._spawn(wanted), False
         pending = self.pending
         if pending is not None:
             if pending.proc.poll() is not None:  # the new config does not start: keep the old one
@@ -301,7 +301,8 @@ class Supervisor:
             "address": self.address, "kind": self.kind.name, "model": self.alias,
             "model_sha256": self.model_sha256, "config_version": config["version"] if config else 0,
             "params": config["params"] if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
-            "healthy": self.healthy, "restarts": self.restarts, "pid": child.proc.pid if child else None,
+            "healthy": self.healthy and bool(child and child.ready), "restarts": self.restarts,
+            "pid": child.proc.pid if child else None,
             "supervisor_pid": os.getpid(), "draining": len(self.draining),
             "switching_to": self.pending.version if self.pending else None,
             "updated_at": time.time(),
