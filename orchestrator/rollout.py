@@ -450,7 +450,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
                            f"{floor:.2f} ({expected:.2f} - {tolerance:.0%})", analysis, got)
         return Verdict(measured, None, analysis, f"{measured:.2f} tok/s")
     n_prompt_p, n_gen_p = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
-    n_gen_measured = min(max(n_gen_p, PROBE_MIN_GEN), PROBE_MAX_GEN)
+    n_gen_measured = _generated_per_sample(obj, n_gen_p)
     where = f"canary {row.node_id[:12]} ({row.chip_key})"
     switched = _wait_serving(applier, row.node_id, int(payload["version"]))
     if not switched:
@@ -510,6 +510,13 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     return Verdict(rate, None, analysis, summary)
 
 
+def _generated_per_sample(obj, n_gen: int) -> int:
+    """Tokens a sample's full request generates: at least PROBE_MIN_GEN where the objective needs a
+    generation rate; one for pp, whose samples are then two prompt timings each (twice the samples
+    in the same time)."""
+    return 1 if obj.name == "pp" else min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN)
+
+
 def served_snapshot(applier: Applier, row: _Row) -> dict | None:
     """A few requests of the payload's workload through the node's server (None: it serves
     nothing): its rate in the payload's objective, time to first token, errors, config served."""
@@ -519,7 +526,7 @@ def served_snapshot(applier: Applier, row: _Row) -> dict | None:
     n_prompt, n_gen = _workload(row.config)
     n_prompt, n_gen = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
     try:
-        summary = probe_interleaved(applier, [row.node_id], n_prompt, min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN),
+        summary = probe_interleaved(applier, [row.node_id], n_prompt, _generated_per_sample(obj, n_gen),
                                     SNAPSHOT_ROUNDS)[row.node_id]
     except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
         return {"error": str(exc)}

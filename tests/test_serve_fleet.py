@@ -135,7 +135,7 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
         assert (done.restored, done.pending) == (3, 0)
         wait_until(lambda: served_versions() == [promoted["pp"]] * 3, timeout=180)
 
-        regression, state, rows = start("pp", pin="-t 1 -b 1 -ub 1")
+        regression, state, rows = start("pp", pin="-t 1 -tb 1 -b 1 -ub 1")  # one thread, batch 1
         assert state == "rolled_back", [(r["state"], r["reason"], r["analysis"]) for r in rows]
         canary = next(r for r in rows if r["stage"] == 0)
         assert "slower by more than" in canary["reason"] or "expected at least" in canary["reason"]

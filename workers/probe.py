@@ -107,6 +107,8 @@ def service_figures(good: list[RequestResult], n_prompt: int) -> dict:
     ttft = min(r.ttft_s for r in good)
     total = min(r.total_s for r in good)
     n_gen = min(r.n_gen for r in good)
+    if max(r.n_gen for r in good) <= 1:  # both requests were one-token ones: two prompt timings
+        ttft = total = min(ttft, total)
     prompt = statistics.median(r.n_prompt or n_prompt for r in good)
     return {"best_ttft_s": ttft, "best_total_s": total, "best_pp_tps": prompt / ttft,
             "best_tg_tps": (n_gen - 1) / (total - ttft) if n_gen > 1 and total > ttft else None}
