@@ -108,7 +108,10 @@ def draw(url: str, rollout_id: int, output: str) -> None:
     rows = ro.status_rows(db, rollout_id)
     objective = (rows[0]["analysis"] or {}).get("objective") or "tg"
     previous = next((r.get("previous") for r in _previous_configs(db, rollout_id) if r.get("previous")), None)
-    before_flags = BenchParams.from_dict(previous["params"]).llama_cpp_flags() if previous else "server defaults"
+    from workers.serve import DEFAULT_PARAMS
+
+    before_flags = BenchParams.from_dict(previous["params"] if previous else DEFAULT_PARAMS).llama_cpp_flags()
+    before_flags += "" if previous else " (server defaults)"
     print(f"rollout {rollout_id}: {rows[0]['rollout_state']}, objective {objective}, "
           f"{before_flags} -> {rows[0]['flags']}")
     print(f"{'node':14} {'stage':>5} {'before: median (range), service':>34} {'after: median (range), service':>34}")

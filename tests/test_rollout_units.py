@@ -142,3 +142,10 @@ def test_a_canary_with_a_failed_request_or_the_wrong_version_fails():
     stale.probe = switching
     verdict = judge_canary(canary_row("tg"), [control_row("a")], None, stale, 0.2)
     assert verdict.failure and "while measured" in verdict.failure
+
+
+def test_a_pp_sample_is_two_prompt_timings_and_the_fastest_counts():
+    results = [RequestResult(True, ttft_s=0.5, total_s=0.2, n_gen=1, n_prompt=64),  # the first one waited
+               RequestResult(True, ttft_s=0.3, total_s=0.4, n_gen=1, n_prompt=64)]
+    out = summarise(results, 64)
+    assert out["best_pp_tps"] == pytest.approx(320) and out["best_tg_tps"] is None
