@@ -368,11 +368,29 @@ class Verdict:
     summary: str
 
 
+def sample_rates(objective, summary: dict, n_prompt: int, n_gen: int) -> list[float]:
+    """Each served sample's rate in the objective: a sample with generated tokens gives one (its
+    prompt rate from the one-token request, its generation rate from the difference of the two
+    times); a sample of two one-token requests (pp) gives two prompt rates."""
+    out = []
+    for ttft, total, prompt, generated in summary.get("samples", []):
+        if generated <= 1:
+            pairs = [(prompt / ttft, None), (prompt / total, None)]
+        else:
+            pairs = [(prompt / ttft, (generated - 1) / (total - ttft) if total > ttft else None)]
+        out += [r for pp, tg in pairs if (r := objective.rate(pp, tg, n_prompt, n_gen))]
+    return out
+
+
 def _served_rate(objective, summary: dict, n_prompt: int, n_gen: int) -> float | None:
-    """The objective's rate from the server's service figures (the fastest samples: workers.probe)."""
+    """A node's served rate in the objective: the median of its samples' rates (None on any failed
+    request). The median, not the fastest sample: on a shared machine a sample is slowed by a
+    request queued ahead of it and sped up by a moment with the CPU to itself, and one such sample
+    of a control moved the fastest-sample figure by half (the done-when runs' records)."""
     if not summary.get("served") or summary.get("errors"):
         return None
-    return objective.rate(summary.get("best_pp_tps"), summary.get("best_tg_tps"), n_prompt, n_gen)
+    rates = sample_rates(objective, summary, n_prompt, n_gen)
+    return statistics.median(rates) if rates else None
 
 
 def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_gen: int,
@@ -425,8 +443,8 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     A node that serves (``fleettune serve``) is judged on served traffic: once it serves the new
     config, the workload's fixed prompt set goes through its OpenAI API and through those of up to
     ``MAX_CONTROLS`` same-chip nodes still on the old config (A/B, as Argo Rollouts' analysis
-    does), in interleaved rounds (``probe_interleaved``), each node's rate taken from its fastest
-    samples (``workers.probe``: waiting behind other clients and for a shared CPU only adds time).
+    does), in interleaved rounds (``probe_interleaved``), each node's rate the median of its
+    samples' (``_served_rate``).
     It fails on any failed request, on a rate below the control group's by more than the
     tolerance, or below the expected figure by more than the tolerance; served traffic carries
     HTTP and sampling costs a benchmark does not, so the expected figure is compared in kind: scaled
@@ -491,7 +509,7 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
         else:
             why = f"no {obj.name} rate from its served requests ({canary.get('n_gen')} tokens generated)"
         return Verdict(None, f"{where}: {why}", analysis, "no rate")
-    summary = f"{rate:.2f} tok/s served ({obj.name}), ttft {canary['best_ttft_s'] * 1000:.0f} ms"
+    summary = f"{rate:.2f} tok/s served ({obj.name}), ttft {canary['ttft_s'] * 1000:.0f} ms"
     if control_rate:
         analysis["ab_floor"] = control_rate * (1 - tolerance)
         if rate < analysis["ab_floor"]:
@@ -530,9 +548,8 @@ def served_snapshot(applier: Applier, row: _Row) -> dict | None:
                                     SNAPSHOT_ROUNDS)[row.node_id]
     except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
         return {"error": str(exc)}
-    rates = [obj.rate(p / ttft, (g - 1) / (total - ttft) if g > 1 and total > ttft else None, n_prompt, n_gen)
-             for ttft, total, p, g in summary.get("samples", [])]
-    return {"rate": _served_rate(obj, summary, n_prompt, n_gen), "sample_rates": [r for r in rates if r],
+    return {"rate": _served_rate(obj, summary, n_prompt, n_gen),
+            "sample_rates": sample_rates(obj, summary, n_prompt, n_gen),
             "ttft_s": summary.get("ttft_s"),
             "best_ttft_s": summary.get("best_ttft_s"), "tg_tps": summary.get("tg_tps"),
             "pp_tps": summary.get("pp_tps"), "best_tg_tps": summary.get("best_tg_tps"),

@@ -16,9 +16,9 @@ time then shorter than the one-token request's, or not, depending on whether ano
 request came in between: the largest noise in the first served canaries).
 
 Two summaries: medians (what a client got) and service figures from the fastest sample of each
-kind. Waiting behind other clients' requests (the server answers one at a time) and for a CPU
-shared with other processes only ever adds time, so the minimum is the figure that compares two
-servers measured under different background load (the canary analysis judges on it).
+kind (waiting behind other clients' requests only adds time, but on a shared CPU a lucky moment also
+takes some away). The canary analysis judges on the median of the samples' own rates
+(orchestrator.rollout.sample_rates), for which each sample's timings are returned too.
 """
 
 from __future__ import annotations
