@@ -3,8 +3,8 @@
 Every serving node's rollout row keeps what it served just before its apply and after the
 promotion (``analysis.before`` / ``analysis.after`` of ``rollout status --json``: five samples each,
 a one-token and a full request of the workload per sample). This script draws those records only:
-per node the median of the five samples' rates with their range, and the service rate (from the
-fastest samples) the canary analysis judges on.
+per node the median of the five samples' rates with their range, and the rate (from the
+fastest samples in records made before the analysis took the median) the rollout recorded.
 
 Two ways to get records:
 
@@ -114,7 +114,7 @@ def draw(url: str, rollout_id: int, output: str) -> None:
     before_flags += "" if previous else " (server defaults)"
     print(f"rollout {rollout_id}: {rows[0]['rollout_state']}, objective {objective}, "
           f"{before_flags} -> {rows[0]['flags']}")
-    print(f"{'node':14} {'stage':>5} {'before: median (range), service':>34} {'after: median (range), service':>34}")
+    print(f"{'node':14} {'stage':>5} {'before: median (range), recorded':>34} {'after: median (range), recorded':>34}")
     labels, figures = [], {"before": [], "after": []}
     for row in rows:
         analysis = row["analysis"] or {}
