@@ -385,8 +385,9 @@ def sample_rates(objective, summary: dict, n_prompt: int, n_gen: int) -> list[fl
 def _served_rate(objective, summary: dict, n_prompt: int, n_gen: int) -> float | None:
     """A node's served rate in the objective: the median of its samples' rates (None on any failed
     request). The median, not the fastest sample: on a shared machine a sample is slowed by a
-    request queued ahead of it and sped up by a moment with the CPU to itself, and one such sample
-    of a control moved the fastest-sample figure by half (the done-when runs' records)."""
+    request queued ahead of it and sped up by a moment with the CPU to itself: one lucky sample of
+    five put a node's fastest-sample pp figure at 177 tok/s, its median at 82 (the done-when runs'
+    records), and a control's figure so inflated makes a canary look slow."""
     if not summary.get("served") or summary.get("errors"):
         return None
     rates = sample_rates(objective, summary, n_prompt, n_gen)
