@@ -86,7 +86,7 @@ class ServerKind:
     health_path = "/v1/models"  # answers 200 once the model is loaded
 
     def argv(self, model_path: str, alias: str, params: BenchParams, *, listen_fd: int | None,
-             ready_fd: int | None, port: int | None) -> list[str]:
+             ready_fd: int | None, port: int | None, host: str = "127.0.0.1") -> list[str]:
         raise NotImplementedError
 
 
@@ -96,7 +96,7 @@ class LlamaCppPython(ServerKind):
     name = "llama-cpp-python"
     takes_socket = True
 
-    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port):
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
         return [sys.executable, "-m", "workers.serve", "--fd", str(listen_fd), "--ready-fd", str(ready_fd),
                 "--model", model_path, "--alias", alias, "--params", json.dumps(params.to_dict())]
 
@@ -113,12 +113,12 @@ class LlamaServer(ServerKind):
             raise BadInput("llama-server is not on PATH (nor named by FLEETTUNE_LLAMA_SERVER); "
                            "use --server llama-cpp-python")
 
-    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port):
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
         # one slot, as llama-cpp-python serves: the whole context for one request at a time
         return [self.binary, "-m", model_path, "--alias", alias, "-ngl", str(params.n_gpu_layers),
                 "-t", str(params.n_threads), "-tb", str(params.threads_batch), "-b", str(params.n_batch),
                 "-ub", str(params.n_ubatch), "-fa", "on" if params.flash_attn else "off", "-c", str(N_CTX),
-                "-np", "1", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+                "-np", "1", "--no-webui", "--host", host, "--port", str(port)]
 
 
 def server_kind(name: str) -> ServerKind:
@@ -200,7 +200,7 @@ class Supervisor:
         port = None if self.sock else self.port
         fds = (self.sock.fileno(), ready_w) if self.sock else (ready_w,)
         argv = self.kind.argv(self.model_path, self.alias, params, listen_fd=fds[0] if self.sock else None,
-                              ready_fd=ready_w, port=port)
+                              ready_fd=ready_w, port=port, host=self.host)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f".{self.node_id}.server.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
