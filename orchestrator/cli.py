@@ -647,7 +647,8 @@ def _payload_flags(payload: dict) -> str:
 ROLLOUT_NODE_COLUMNS = [
     Column("chip", "chip"), Column("node", "node"), Column("stage", "stage", justify="right"),
     Column("state", "state"), Column("measured_tps", "t/s", ".1f", "right"),
-    Column("expected_tps", "expect", ".1f", "right"),
+    Column("control_tps", "control", ".1f", "right"), Column("expected_tps", "expect", ".1f", "right"),
+    Column("reason", "reason"),
 ]
 
 

@@ -23,6 +23,8 @@ Trust, step by step:
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,10 +39,16 @@ from workers.trial import BenchParams, TrialSpec, Workload
 VERIFY_REPS = 2
 APPLY_TIMEOUT_S = 60.0
 SWITCH_TIMEOUT_S = 300.0  # a serving canary has this long to start serving the new config
-PROBE_REQUESTS = 4  # served requests per node and analysis
+PROBE_ROUNDS = 6  # served A/B rounds (one sample per node each), after one warm-up round
+MIN_ROUNDS = 3  # rounds always taken; more only within PROBE_BUDGET_S
+PROBE_BUDGET_S = 20.0  # keeps a regression's detection well inside a minute of its apply
 PROBE_MAX_PROMPT, PROBE_MAX_GEN = 1024, 128  # the workload, bounded to what a 2048 context holds
+# A sample's full request generates at least this many tokens: its generation rate is the difference
+# of two request times, and with a workload's 8 tokens that difference (about 70 ms here) was no
+# larger than what another client's request or a busy CPU adds to either time (bench/serve_canary_noise.py)
+PROBE_MIN_GEN = 32
 MAX_CONTROLS = 2  # same-chip nodes on the old config measured beside each canary
-SNAPSHOT_REQUESTS = 2  # served requests per node before its apply and after promotion (the record)
+SNAPSHOT_ROUNDS = 5  # served samples per node before its apply and after promotion (the record)
 
 
 @dataclass(frozen=True)
@@ -172,9 +180,10 @@ class Applier:
             return None
         return status if status and status.get("fresh") else None
 
-    def probe(self, node_id: str, n_prompt: int, n_gen: int, n_requests: int = PROBE_REQUESTS) -> dict:
-        """The workload's prompt set sent to the node's own server; the summary (workers.probe)."""
-        ref = dispatch.on_node(agent.probe_served, node_id).remote(node_id, n_prompt, n_gen, n_requests)
+    def probe(self, node_id: str, n_prompt: int, n_gen: int, n_requests: int = 1, first: int = 0) -> dict:
+        """The workload's prompt set (numbered from ``first``) sent to the node's own server; the
+        summary with each sample (workers.probe)."""
+        ref = dispatch.on_node(agent.probe_served, node_id).remote(node_id, n_prompt, n_gen, n_requests, 300, first)
         return self._ray.get(ref, timeout=600)
 
     def verify(self, node_id: str, chip_key: str, model: ModelInfo, payload: dict, timeout_s: float = 600
@@ -359,10 +368,73 @@ class Verdict:
     summary: str
 
 
+def sample_rates(objective, summary: dict, n_prompt: int, n_gen: int) -> list[float]:
+    """Each served sample's rate in the objective: a sample with generated tokens gives one (its
+    prompt rate from the one-token request, its generation rate from the difference of the two
+    times); a sample of two one-token requests (pp) gives two prompt rates."""
+    out = []
+    for ttft, total, prompt, generated in summary.get("samples", []):
+        if generated <= 1:
+            pairs = [(prompt / ttft, None), (prompt / total, None)]
+        else:
+            pairs = [(prompt / ttft, (generated - 1) / (total - ttft) if total > ttft else None)]
+        out += [r for pp, tg in pairs if (r := objective.rate(pp, tg, n_prompt, n_gen))]
+    return out
+
+
 def _served_rate(objective, summary: dict, n_prompt: int, n_gen: int) -> float | None:
+    """A node's served rate in the objective: the median of its samples' rates (None on any failed
+    request). The median, not the fastest sample: on a shared machine a sample is slowed by a
+    request queued ahead of it and sped up by a moment with the CPU to itself: one lucky sample of
+    five put a node's fastest-sample pp figure at 177 tok/s, its median at 82 (the done-when runs'
+    records), and a control's figure so inflated makes a canary look slow."""
     if not summary.get("served") or summary.get("errors"):
         return None
-    return objective.rate(summary.get("pp_tps"), summary.get("tg_tps"), n_prompt, n_gen)
+    rates = sample_rates(objective, summary, n_prompt, n_gen)
+    return statistics.median(rates) if rates else None
+
+
+def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_gen: int,
+                      rounds: int = PROBE_ROUNDS, budget_s: float = PROBE_BUDGET_S) -> dict[str, dict]:
+    """Served samples from several nodes, in turn: a warm-up round whose timings are dropped (a
+    server that has just started pays first-use costs; its failures still count), then rounds of
+    one sample per node, the order rotated each round, so that every node is measured across the
+    same stretch of time and background load (on a shared machine that load moves by more than
+    the differences being judged). Rounds past ``MIN_ROUNDS`` only within ``budget_s``. Per node:
+    the summary of its samples (workers.probe.summarise) with the config versions it served."""
+    from workers.probe import RequestResult, summarise
+
+    samples: dict[str, list[RequestResult]] = {n: [] for n in node_ids}
+    versions: dict[str, set] = {n: set() for n in node_ids}
+    refused: dict[str, dict] = {}
+    started = time.monotonic()
+    for round_no in range(rounds + 1):
+        if round_no > MIN_ROUNDS and time.monotonic() - started > budget_s:
+            break
+        shift = round_no % len(node_ids)
+        for node_id in node_ids[shift:] + node_ids[:shift]:
+            if node_id in refused:
+                continue
+            try:
+                out = applier.probe(node_id, n_prompt, n_gen, 1, first=round_no)
+            except Exception as exc:  # noqa: BLE001 - a node lost mid-analysis: no figures from it
+                out = {"served": False, "error": f"{type(exc).__name__}: {exc}"}
+            if not out.get("served"):
+                refused[node_id] = out
+                continue
+            versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
+            results = [RequestResult(**r) for r in out.get("results", [])]
+            samples[node_id] += results if round_no else [r for r in results if not r.ok]
+    summaries = {}
+    for node_id in node_ids:
+        if node_id in refused:
+            summaries[node_id] = refused[node_id]
+            continue
+        summaries[node_id] = {"served": True, **summarise(samples[node_id], n_prompt),
+                              "config_versions": sorted(v for v in versions[node_id] if v is not None),
+                              "samples": [[r.ttft_s, r.total_s, r.n_prompt, r.n_gen] for r in samples[node_id]
+                                          if r.ok]}
+    return summaries
 
 
 def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: Applier, tolerance: float
@@ -372,7 +444,9 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     A node that serves (``fleettune serve``) is judged on served traffic: once it serves the new
     config, the workload's fixed prompt set goes through its OpenAI API and through those of up to
     ``MAX_CONTROLS`` same-chip nodes still on the old config (A/B, as Argo Rollouts' analysis
-    does). It fails on any failed request, on a rate below the control group's by more than the
+    does), in interleaved rounds (``probe_interleaved``), each node's rate the median of its
+    samples' (``_served_rate``).
+    It fails on any failed request, on a rate below the control group's by more than the
     tolerance, or below the expected figure by more than the tolerance; served traffic carries
     HTTP and sampling costs a benchmark does not, so the expected figure is compared in kind: scaled
     by the control group's served rate over its own config's expected figure, where that is known.
@@ -395,18 +469,20 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
                            f"{floor:.2f} ({expected:.2f} - {tolerance:.0%})", analysis, got)
         return Verdict(measured, None, analysis, f"{measured:.2f} tok/s")
     n_prompt_p, n_gen_p = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
+    n_gen_measured = _generated_per_sample(obj, n_gen_p)
     where = f"canary {row.node_id[:12]} ({row.chip_key})"
     switched = _wait_serving(applier, row.node_id, int(payload["version"]))
     if not switched:
         return Verdict(None, f"{where}: does not serve config {payload['version']} within "
                        f"{SWITCH_TIMEOUT_S:g}s", {"method": "served", "status": status}, "not switched")
-    canary = applier.probe(row.node_id, n_prompt_p, n_gen_p)
+    serving_controls = [c for c in controls if applier.serve_status(c.node_id) is not None][:MAX_CONTROLS]
+    figures_of = probe_interleaved(applier, [row.node_id, *(c.node_id for c in serving_controls)],
+                                   n_prompt_p, n_gen_measured)
+    canary = figures_of[row.node_id]
     rate = _served_rate(obj, canary, n_prompt_p, n_gen_p)
     control_figures = []
-    for control in controls[:MAX_CONTROLS]:
-        if applier.serve_status(control.node_id) is None:
-            continue
-        figures = applier.probe(control.node_id, n_prompt_p, n_gen_p)
+    for control in serving_controls:
+        figures = figures_of[control.node_id]
         figures["rate"] = _served_rate(obj, figures, n_prompt_p, n_gen_p)
         try:
             held = applier.read(control.node_id)
@@ -417,12 +493,18 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
         figures["node"] = control.node_id
         control_figures.append(figures)
     rates = [c["rate"] for c in control_figures if c["rate"]]
-    control_rate = sorted(rates)[len(rates) // 2] if rates else None
+    control_rate = statistics.median(rates) if rates else None  # of two: their mean, not the faster one
     analysis = {"method": "served", "objective": obj.name, "workload": [n_prompt_p, n_gen_p],
+                "generated_per_sample": n_gen_measured,
                 "canary": canary, "rate": rate, "controls": control_figures, "control_rate": control_rate,
                 "expected": expected, "tolerance": tolerance}
+    if canary.get("served") and canary.get("config_versions") != [int(payload["version"])]:
+        return Verdict(None, f"{where}: served config(s) {canary.get('config_versions')} while measured, "
+                       f"not {payload['version']} only", analysis, "switched away")
     if rate is None:
-        if canary.get("errors"):
+        if not canary.get("served"):
+            why = f"no served figures ({canary.get('error')})"
+        elif canary.get("errors"):
             why = (f"{canary['errors']} of {canary.get('requests', '?')} served requests failed "
                    f"({'; '.join(canary.get('failures') or [])})")
         else:
@@ -447,6 +529,13 @@ def judge_canary(row: _Row, controls: list[_Row], model: ModelInfo, applier: App
     return Verdict(rate, None, analysis, summary)
 
 
+def _generated_per_sample(obj, n_gen: int) -> int:
+    """Tokens a sample's full request generates: at least PROBE_MIN_GEN where the objective needs a
+    generation rate; one for pp, whose samples are then two prompt timings each (twice the samples
+    in the same time)."""
+    return 1 if obj.name == "pp" else min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN)
+
+
 def served_snapshot(applier: Applier, row: _Row) -> dict | None:
     """A few requests of the payload's workload through the node's server (None: it serves
     nothing): its rate in the payload's objective, time to first token, errors, config served."""
@@ -456,18 +545,21 @@ def served_snapshot(applier: Applier, row: _Row) -> dict | None:
     n_prompt, n_gen = _workload(row.config)
     n_prompt, n_gen = min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
     try:
-        summary = applier.probe(row.node_id, n_prompt, n_gen, SNAPSHOT_REQUESTS)
+        summary = probe_interleaved(applier, [row.node_id], n_prompt, _generated_per_sample(obj, n_gen),
+                                    SNAPSHOT_ROUNDS)[row.node_id]
     except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
         return {"error": str(exc)}
-    return {"rate": _served_rate(obj, summary, n_prompt, n_gen), "ttft_s": summary.get("ttft_s"),
-            "tg_tps": summary.get("tg_tps"), "pp_tps": summary.get("pp_tps"), "errors": summary.get("errors"),
-            "config_version": summary.get("config_version")}
+    return {"rate": _served_rate(obj, summary, n_prompt, n_gen),
+            "sample_rates": sample_rates(obj, summary, n_prompt, n_gen),
+            "ttft_s": summary.get("ttft_s"),
+            "best_ttft_s": summary.get("best_ttft_s"), "tg_tps": summary.get("tg_tps"),
+            "pp_tps": summary.get("pp_tps"), "best_tg_tps": summary.get("best_tg_tps"),
+            "best_pp_tps": summary.get("best_pp_tps"), "requests": summary.get("requests"),
+            "errors": summary.get("errors"), "config_versions": summary.get("config_versions")}
 
 
 def _wait_serving(applier: Applier, node_id: str, version: int) -> bool:
     """Poll the node until its server answers with config ``version`` (deadline SWITCH_TIMEOUT_S)."""
-    import time
-
     deadline = time.monotonic() + SWITCH_TIMEOUT_S
     while time.monotonic() < deadline:
         status = applier.serve_status(node_id)
@@ -571,6 +663,7 @@ def status_rows(db: Database, rollout_id: int | None = None) -> list[dict]:
                  "node": n.ray_node_id[:12], "ray_node_id": n.ray_node_id, "stage": n.stage,
                  "state": n.state, "flags": BenchParams.from_dict(n.config["params"]).llama_cpp_flags(),
                  "version": n.config["version"], "measured_tps": n.measured_tps,
+                 "control_tps": (n.analysis or {}).get("control_rate"),
                  "expected_tps": n.config["expected_tps"], "analysis": n.analysis, "reason": n.reason}
                 for n in repo.rollout_nodes(s, rollout.id)]
 

@@ -1,14 +1,16 @@
 """Rollout pieces that need no server and no Ray: an operator's pin, conditional node writes, the
-served-traffic summary."""
+served-traffic summary, the served canary analysis over fake servers with a known speed."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from orchestrator.rollout import parse_pin
+from orchestrator.rollout import PROBE_ROUNDS, _Row, judge_canary, parse_pin
 from workers import nodeconfig
 from workers.errors import BadInput
-from workers.probe import RequestResult, summarise
+from workers.probe import RequestResult, prompt_of, summarise
 
 NODE = "c0" * 16
 
@@ -47,3 +49,103 @@ def test_served_figures_come_from_the_successful_requests_and_count_the_rest():
     assert out["errors"] == 1 and out["error_rate"] == pytest.approx(1 / 3)
     assert out["tg_tps"] == pytest.approx(10.0) and out["pp_tps"] == pytest.approx((128 + 256) / 2)
     assert summarise([], 64)["error_rate"] == 1.0
+
+
+def test_the_two_prompts_of_a_sample_are_as_long_and_share_no_prefix_a_server_would_reuse():
+    prompts = [prompt_of(64, seed) for seed in range(12)]
+    assert len({len(p) for p in prompts}) == 1 and len(set(prompts)) == 12
+    assert len({p[:2] for p in prompts[:10]}) == 10  # they differ by their second character
+
+
+def test_service_figures_are_the_fastest_samples_so_queueing_does_not_count():
+    # the same server: one sample waited 2 s behind another client's request, one 1 s
+    results = [RequestResult(True, ttft_s=0.2, total_s=0.9, n_gen=8, n_prompt=64),
+               RequestResult(True, ttft_s=2.2, total_s=0.9, n_gen=8, n_prompt=64),
+               RequestResult(True, ttft_s=0.2, total_s=1.9, n_gen=8, n_prompt=64)]
+    out = summarise(results, 64)
+    assert out["best_pp_tps"] == pytest.approx(320) and out["best_tg_tps"] == pytest.approx(10)
+    assert out["tg_tps"] != pytest.approx(10)  # the medians are what a client got, queueing included
+    too_few = summarise([RequestResult(True, ttft_s=0.5, total_s=0.4, n_gen=2, n_prompt=64)], 64)
+    assert too_few["best_tg_tps"] is None
+
+
+class FakeServers:
+    """Nodes whose servers take a fixed service time per token, plus a queueing delay that comes
+    and goes (another client's request ahead), and say which config version they serve."""
+
+    def __init__(self, per_token_s: dict[str, tuple[float, float]], versions: dict[str, int],
+                 fail: set[str] = frozenset()) -> None:
+        self.per_token_s, self.versions, self.fail = per_token_s, versions, fail
+        self.calls: list[tuple[str, int]] = []
+
+    def serve_status(self, node_id):
+        return {"fresh": True, "ready": True, "config_version": self.versions[node_id]}
+
+    def read(self, node_id):
+        return None
+
+    def probe(self, node_id, n_prompt, n_gen, n_requests=1, first=0):
+        self.calls.append((node_id, first))
+        pp_s, tg_s = self.per_token_s[node_id]
+        wait = 3.0 if (len(self.calls) % 3 == 0) else 0.0  # every third request queued behind a long one
+        ok = node_id not in self.fail
+        result = RequestResult(ok, ttft_s=n_prompt * pp_s + tg_s + wait, total_s=n_prompt * pp_s + n_gen * tg_s,
+                               n_gen=n_gen, n_prompt=n_prompt, error=None if ok else "HTTP 500")
+        return {"served": True, "results": [asdict(result)], "config_version": self.versions[node_id],
+                "config_version_after": self.versions[node_id]}
+
+
+def canary_row(objective: str, version: int = 7, node: str = "canary") -> _Row:
+    config = {**payload(version), "objective": objective, "expected_tps": 1.0,
+              "workload": {"n_prompt": 64, "n_gen": 8}}
+    return _Row(1, node, "chip", 0, config, None, "applied", True, None)
+
+
+def control_row(node: str) -> _Row:
+    return _Row(2, node, "chip", 1, payload(1), None, "pending", False, None)
+
+
+@pytest.mark.parametrize("objective", ["tg", "pp", "e2e"])
+def test_an_equal_canary_passes_the_served_ab_whatever_the_queueing_and_a_slow_one_fails(objective):
+    same = FakeServers({"canary": (0.002, 0.03), "a": (0.002, 0.03), "b": (0.002, 0.03)},
+                       {"canary": 7, "a": 1, "b": 1})
+    verdict = judge_canary(canary_row(objective), [control_row("a"), control_row("b")], None, same, 0.2)
+    assert verdict.failure is None, verdict.analysis
+    assert verdict.rate == pytest.approx(verdict.analysis["control_rate"])
+    # warm-up round first, then every round has each node once, the order rotated
+    rounds = [[n for n, first in same.calls if first == r] for r in range(1 + PROBE_ROUNDS)]
+    assert rounds[0] == ["canary", "a", "b"] and rounds[1] == ["a", "b", "canary"]
+    assert all(sorted(r) == ["a", "b", "canary"] for r in rounds)
+    assert verdict.analysis["canary"]["requests"] == PROBE_ROUNDS  # the warm-up's timings are dropped
+
+    slow_pp, slow_tg = (0.03, 0.03), (0.002, 0.09)  # batch 1: the prompt a token at a time; one thread
+    slow = FakeServers({"canary": slow_pp if objective == "pp" else slow_tg, "a": (0.002, 0.03),
+                        "b": (0.002, 0.03)}, {"canary": 7, "a": 1, "b": 1})
+    verdict = judge_canary(canary_row(objective), [control_row("a"), control_row("b")], None, slow, 0.4)
+    assert verdict.failure and "slower by more than 40%" in verdict.failure
+
+
+def test_a_canary_with_a_failed_request_or_the_wrong_version_fails():
+    failing = FakeServers({"canary": (0.002, 0.03), "a": (0.002, 0.03)}, {"canary": 7, "a": 1}, fail={"canary"})
+    verdict = judge_canary(canary_row("tg"), [control_row("a")], None, failing, 0.2)
+    assert verdict.failure and "served requests failed" in verdict.failure
+    stale = FakeServers({"canary": (0.002, 0.03), "a": (0.002, 0.03)}, {"canary": 7, "a": 1})
+    stale.versions["canary"] = 7
+    original = stale.probe
+
+    def switching(node_id, *args, **kwargs):
+        out = original(node_id, *args, **kwargs)
+        if node_id == "canary" and kwargs.get("first") == 2:
+            out["config_version_after"] = 1  # it went back to the old config while measured
+        return out
+
+    stale.probe = switching
+    verdict = judge_canary(canary_row("tg"), [control_row("a")], None, stale, 0.2)
+    assert verdict.failure and "while measured" in verdict.failure
+
+
+def test_a_pp_sample_is_two_prompt_timings_and_the_fastest_counts():
+    results = [RequestResult(True, ttft_s=0.5, total_s=0.2, n_gen=1, n_prompt=64),  # the first one waited
+               RequestResult(True, ttft_s=0.3, total_s=0.4, n_gen=1, n_prompt=64)]
+    out = summarise(results, 64)
+    assert out["best_pp_tps"] == pytest.approx(320) and out["best_tg_tps"] is None

@@ -245,17 +245,18 @@ def serve_status(node_id: str) -> dict | None:
     return serve.read_status(node_id)
 
 
-def probe_served(node_id: str, n_prompt: int, n_gen: int, n_requests: int, deadline_s: float = 300) -> dict:
-    """On a node: send the workload's fixed prompt set to its own server (loopback) and summarise
-    what came back; with the config version served before and after, so a switch is seen."""
+def probe_served(node_id: str, n_prompt: int, n_gen: int, n_requests: int, deadline_s: float = 300,
+                 first: int = 0) -> dict:
+    """On a node: send the workload's fixed prompt set (numbered from ``first``) to its own server
+    (loopback) and summarise what came back, each sample's timings with it (the head pools rounds);
+    with the config version served before and after, so a switch is seen."""
     from workers import probe, serve
 
     _check_node(node_id)
     before = serve.read_status(node_id)
     if not before or not before.get("fresh") or not before.get("ready"):
         return {"served": False, "error": "no server running on this node"}
-    summary = probe.probe(before["address"], before["model"], n_prompt, n_gen, n_requests, deadline_s)
+    summary = probe.probe(before["address"], before["model"], n_prompt, n_gen, n_requests, deadline_s, first)
     after = serve.read_status(node_id) or {}
-    summary.pop("results", None)
     return {"served": True, **summary, "config_version": before["config_version"],
             "config_version_after": after.get("config_version")}

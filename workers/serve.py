@@ -17,8 +17,10 @@ supervisor serves (address, model, config version, health) is written to
 
 Server kinds share one interface (``ServerKind``): llama-cpp-python's OpenAI-compatible server
 (``create_app`` + ``uvicorn.Server`` on the inherited socket) and llama.cpp's own ``llama-server``
-(same flags; it binds its own port and cannot take a socket, so the supervisor hands it a private
-loopback port and a config change restarts it: not zero-drop, said so in docs/serving.md).
+(same flags; it binds its own port and cannot take a socket, and it listens before its model is
+loaded, answering 503 meanwhile, so two of them cannot share the port through a switch either: the
+supervisor picks the port, a config change stops the old server and starts the new one on it; not
+zero-drop, said so in docs/serving.md).
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ class ServerKind:
 
     name = "?"
     takes_socket = False  # can it accept on the supervisor's inherited socket
+    health_path = "/v1/models"  # answers 200 once the model is loaded
 
     def argv(self, model_path: str, alias: str, params: BenchParams, *, listen_fd: int | None,
-             ready_fd: int | None, port: int | None) -> list[str]:
+             ready_fd: int | None, port: int | None, host: str = "127.0.0.1") -> list[str]:
         raise NotImplementedError
 
 
@@ -93,7 +96,7 @@ class LlamaCppPython(ServerKind):
     name = "llama-cpp-python"
     takes_socket = True
 
-    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port):
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
         return [sys.executable, "-m", "workers.serve", "--fd", str(listen_fd), "--ready-fd", str(ready_fd),
                 "--model", model_path, "--alias", alias, "--params", json.dumps(params.to_dict())]
 
@@ -102,20 +105,19 @@ class LlamaServer(ServerKind):
     """llama.cpp's ``llama-server`` (Homebrew installs it on Macs), with the same flags."""
 
     name = "llama-server"
+    health_path = "/health"  # 503 while the model loads (it listens before loading)
 
     def __init__(self, binary: str | None = None) -> None:
-        self.binary = binary or shutil.which("llama-server")
-        if not self.binary:
-            raise BadInput("llama-server is not on PATH; use --server llama-cpp-python")
+        self.binary = binary or os.environ.get("FLEETTUNE_LLAMA_SERVER") or shutil.which("llama-server")
+        if not self.binary or not os.access(self.binary, os.X_OK):
+            raise BadInput("llama-server is not on PATH (nor named by FLEETTUNE_LLAMA_SERVER); "
+                           "use --server llama-cpp-python")
 
-    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port):
-        argv = [self.binary, "-m", model_path, "--alias", alias, "-ngl", str(params.n_gpu_layers),
-                "-t", str(params.n_threads), "-b", str(params.n_batch), "-ub", str(params.n_ubatch),
-                "-c", str(N_CTX), "--host", "127.0.0.1", "--port", str(port)]
-        if params.n_threads_batch:
-            argv += ["-tb", str(params.n_threads_batch)]
-        argv += ["-fa", params.flash_attn]
-        return argv
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
+        # one slot, as llama-cpp-python serves: the whole context for one request at a time
+        return [self.binary, "-m", model_path, "--alias", alias,
+                *params.llama_cpp_flags("llama-server").split(), "-c", str(N_CTX),
+                "-np", "1", "--no-webui", "--host", host, "--port", str(port)]
 
 
 def server_kind(name: str) -> ServerKind:
@@ -124,7 +126,8 @@ def server_kind(name: str) -> ServerKind:
     if name == "llama-server":
         return LlamaServer()
     if name == "auto":
-        return LlamaServer() if shutil.which("llama-server") else LlamaCppPython()
+        found = os.environ.get("FLEETTUNE_LLAMA_SERVER") or shutil.which("llama-server")
+        return LlamaServer(found) if found else LlamaCppPython()
     raise BadInput(f"unknown server kind {name!r}; choose llama-cpp-python, llama-server or auto")
 
 
@@ -145,12 +148,6 @@ class Child:
         return int(self.config["version"]) if self.config else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Supervisor:
     """One node's server: started, restarted when it dies, replaced without a drop on a new config."""
 
@@ -159,9 +156,13 @@ class Supervisor:
         nodeconfig.path_for(node_id)  # checks the id
         self.node_id, self.model_path, self.model_sha256, self.kind = node_id, model_path, model_sha256, kind
         self.alias = Path(model_path).stem
-        self.sock = socket.create_server((host, port), backlog=256)
-        self.sock.set_inheritable(True)
+        self.sock: socket.socket | None = socket.create_server((host, port), backlog=256)
         self.host, self.port = host, self.sock.getsockname()[1]
+        if kind.takes_socket:
+            self.sock.set_inheritable(True)
+        else:  # the server binds the port itself: the supervisor only picked it (port 0: a free one)
+            self.sock.close()
+            self.sock = None
         self.log_dir = log_dir or nodeconfig.config_dir()
         self.current: Child | None = None
         self.pending: Child | None = None  # a new config's child, until it is ready
@@ -195,14 +196,18 @@ class Supervisor:
     def _spawn(self, config: dict | None) -> Child:
         params = BenchParams.from_dict(config["params"] if config else DEFAULT_PARAMS)
         ready_r, ready_w = os.pipe()
-        port = None if self.kind.takes_socket else (self.port if not self.current else _free_port())
-        argv = self.kind.argv(self.model_path, self.alias, params, listen_fd=self.sock.fileno(), ready_fd=ready_w,
-                              port=port)
+        port = None if self.sock else self.port
+        fds = (self.sock.fileno(), ready_w) if self.sock else (ready_w,)
+        argv = self.kind.argv(self.model_path, self.alias, params, listen_fd=fds[0] if self.sock else None,
+                              ready_fd=ready_w, port=port, host=self.host)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f".{self.node_id}.server.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    pass_fds=(self.sock.fileno(), ready_w), start_new_session=True)
+                                    pass_fds=fds, start_new_session=True)
         os.close(ready_w)
+        if not self.kind.takes_socket:  # no ready pipe: readiness is its health check, then a warm-up
+            os.close(ready_r)
+            return Child(proc, config, None, port=port)
         os.set_blocking(ready_r, False)
         return Child(proc, config, ready_r, port=port)
 
@@ -213,16 +218,32 @@ class Supervisor:
             with contextlib.suppress(BlockingIOError):
                 if os.read(child.ready_r, 16):
                     child.ready = True
-        elif self._http_ok(child.port):
+        elif self._http_ok(child.port) and self._warm_http(child.port):
             child.ready = True
         if child.ready and child.ready_r is not None:
             os.close(child.ready_r)
             child.ready_r = None
         return child.ready
 
+    def _local(self, port: int | None, path: str) -> str:
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://{host}:{port or self.port}{path}"
+
     def _http_ok(self, port: int | None = None) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port or self.port}/v1/models", timeout=10) as r:
+            with urllib.request.urlopen(self._local(port, self.kind.health_path), timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _warm_http(self, port: int | None) -> bool:
+        """One short completion before the server is called ready (what ``_warm`` does inside a
+        llama-cpp-python child)."""
+        body = json.dumps({"prompt": "Hello", "max_tokens": 2, "model": self.alias}).encode()
+        request = urllib.request.Request(self._local(port, "/v1/completions"), body,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -243,15 +264,19 @@ class Supervisor:
         if live is None or live.proc.poll() is not None:  # never started, or died
             if live is not None:
                 self.restarts += 1
-            self.current = self._spawn(wanted)
+            self.current, self.healthy = self._spawn(wanted), False  # healthy again once checked
             self.pending = None
         elif wanted != live.config and wanted != self.refused and not self.pending:
             if self.kind.takes_socket:
                 self.pending = self._spawn(wanted)
             else:  # llama-server cannot share the socket: stop, then start on the same port
                 self._retire(live)
-                live.proc.wait()
-                self.current = self._spawn(wanted)
+                try:
+                    live.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    live.proc.kill()
+                    live.proc.wait()
+                self.current, self.healthy = self._spawn(wanted), False
         pending = self.pending
         if pending is not None:
             if pending.proc.poll() is not None:  # the new config does not start: keep the old one
@@ -275,7 +300,8 @@ class Supervisor:
             "address": self.address, "kind": self.kind.name, "model": self.alias,
             "model_sha256": self.model_sha256, "config_version": config["version"] if config else 0,
             "params": config["params"] if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
-            "healthy": self.healthy, "restarts": self.restarts, "pid": child.proc.pid if child else None,
+            "healthy": self.healthy and bool(child and child.ready), "restarts": self.restarts,
+            "pid": child.proc.pid if child else None,
             "supervisor_pid": os.getpid(), "draining": len(self.draining),
             "switching_to": self.pending.version if self.pending else None,
             "updated_at": time.time(),
@@ -306,8 +332,28 @@ class Supervisor:
                     child.proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
         status_path(self.node_id).unlink(missing_ok=True)
+
+
+def _use_token() -> None:
+    """Present the fleet's token, as `worker start` does ($FLEETTUNE_RAY_TOKEN or the file
+    $FLEETTUNE_RAY_TOKEN_FILE names: what `service install serve --token` puts in the service's
+    environment); Ray's own RAY_AUTH_TOKEN, set by the caller, is left alone."""
+    from workers import fleet_token
+    from workers.join import ray_env
+
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    token = fleet_token.resolve(None, None)
+    if not token:
+        return
+    os.environ.update(ray_env(token))
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")  # Ray caches its settings per process
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def join_ray(address: str | None) -> str:
@@ -315,6 +361,7 @@ def join_ray(address: str | None) -> str:
     import ray
 
     if not ray.is_initialized():
+        _use_token()
         try:
             ray.init(address=address or "auto", log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError) as exc:
