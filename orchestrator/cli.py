@@ -1011,8 +1011,11 @@ def worker() -> None:
 @scenario_option()
 @time_scale_option(help="Simulated nodes: real seconds slept per simulated second.")
 @click.option("--name", help="Name shown for this node instead of its hostname.")
+@click.option("--trial-seconds", type=click.FloatRange(min=0, min_open=True), hidden=True,
+              help="Simulated nodes: every trial takes exactly this long (tests).")
 @output_options()
-def worker_start(address, token_file, token_value, simulate, scenario, time_scale, name, fmt) -> None:
+def worker_start(address, token_file, token_value, simulate, scenario, time_scale, name, trial_seconds,
+                 fmt) -> None:
     """Fingerprint this node and join the head's Ray cluster with one bench slot."""
     from orchestrator import fleet
 
@@ -1020,7 +1023,7 @@ def worker_start(address, token_file, token_value, simulate, scenario, time_scal
         raise BadInput("--token puts the fleet's token on the command line, visible in ps: "
                        "use --token-file PATH or the FLEETTUNE_RAY_TOKEN environment variable")
     token = fleet_token.resolve(token_file, fleet.token_path())
-    plan = join.plan_join(simulate, scenario, time_scale, name=name)
+    plan = join.plan_join(simulate, scenario, time_scale, name=name, trial_s=trial_seconds)
     dispatch.check_reachable(address)
     join.worker_start(address, token, plan)
     click.echo(render_record({"joined": address, **plan.labels, "simulated": plan.simulated}, fmt))

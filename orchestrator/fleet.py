@@ -64,6 +64,9 @@ def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = Fals
         "start", "--head", "--port", str(port), "--node-ip-address", host,
         "--include-dashboard", "true" if dashboard else "false",
         "--resources", f'{{"{BENCH_RESOURCE}": 0}}', "--disable-usage-stats",
+        # no autoscaler (a fleet is the Macs that join): its Prometheus endpoint, started when
+        # `ray[default]` is installed, answers without the token on every interface
+        "--no-monitor",
     ]
     if dashboard:
         args += ["--dashboard-host", host]

@@ -105,8 +105,16 @@ class Host:
         return out
 
     def link(self, up: bool) -> None:
-        """Plug or unplug this host's cable (its port on the bridge)."""
+        """Plug or unplug this host's cable (its port on the bridge). Plugged back: the port is
+        up, and every host forgets the neighbours it failed to reach meanwhile (a FAILED entry
+        answers "No route to host" at once instead of asking again), as a real host does after a
+        moment; a service restarted right away then reaches the head."""
         ip("-n", self.lan.netns, "link", "set", self.lan_dev, "up" if up else "down")
+        if up:
+            wait_for(lambda: "state UP" in ip("-n", self.lan.netns, "link", "show", self.lan_dev).stdout,
+                     30, f"{self.name}'s bridge port up")
+            for host in self.lan.hosts.values():
+                ip("-n", host.netns, "neigh", "flush", "all", check=False)
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
         for pid in self.pids():

@@ -21,11 +21,16 @@ GRPC_METHODS = (  # one method per Ray service that listens on a node; True: har
     ("/ray.rpc.NodeManagerService/GetNodeStats", True),  # raylet
     ("/ray.rpc.CoreWorkerService/NumPendingTasks", True),  # a worker or driver process
     ("/ray.rpc.RayletDriver/ClusterInfo", True),  # Ray client server
+    ("/ray.rpc.ReporterService/HealthCheck", True),  # dashboard agent (with `ray[default]`)
     # the raylet's object manager serves only Push and Pull; an empty Pull is never sent with the
     # right token (it would reach the handler), only refused without one
     ("/ray.rpc.ObjectManagerService/Pull", False),
 )
-HTTP_REQUESTS = (("GET", "/api/jobs/"), ("POST", "/get_or_create_runtime_env"), ("GET", "/api/version"))
+# the first path a server answers other than 404/405 with the right token names it: a Prometheus
+# metrics endpoint (answers any path), the job API (dashboard), the runtime-env agent, the
+# dashboard agent
+HTTP_REQUESTS = (("GET", "/metrics"), ("GET", "/api/jobs/"), ("POST", "/get_or_create_runtime_env"),
+                 ("GET", "/api/version"))
 TIMEOUT_S = 5.0
 
 

@@ -92,3 +92,27 @@ def test_a_node_name_must_be_a_valid_label():
     for bad in ("", "-x", "a b", "x" * 64, "=cmd()"):
         with pytest.raises(BadInput):
             plan_join("M2 Ultra/76", name=bad)
+
+
+def test_head_and_workers_start_ray_without_its_unauthenticated_metrics_endpoints(tmp_path, monkeypatch):
+    """Ray's Prometheus endpoints (autoscaler, dashboard agent) answer without the token on every
+    interface of a LAN node: a head starts Ray with no autoscaler, every fleet Ray process with
+    metrics collection off (the namespaced tests check the listeners themselves)."""
+    from workers import join
+
+    calls = []
+    monkeypatch.setattr(fleet, "run_ray", lambda args, token: calls.append((args, join.ray_env(token))))
+    fleet.head_start(host="127.0.0.1", port=6390, token_file=tmp_path / "ray_token")
+    args, env = calls[0]
+    assert "--no-monitor" in args and args[args.index("--node-ip-address") + 1] == "127.0.0.1"
+    assert env["RAY_enable_metrics_collection"] == "0" and env["RAY_AUTH_MODE"] == "token"
+    assert join.ray_env(None)["RAY_enable_metrics_collection"] == "0"  # `worker start` too
+
+
+def test_a_fixed_trial_duration_is_for_simulated_nodes_only():
+    from workers.agent import TRIAL_S_LABEL
+    from workers.join import plan_join
+
+    assert plan_join("M2 Ultra/76", trial_s=20).labels[TRIAL_S_LABEL] == "20"
+    with pytest.raises(BadInput):
+        plan_join(None, trial_s=20)

@@ -22,6 +22,7 @@ from workers.agent import (
     SIMULATE_LABEL,
     SPEED_LABEL,
     TIME_SCALE_LABEL,
+    TRIAL_S_LABEL,
 )
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint, fingerprint_live
@@ -31,6 +32,10 @@ CHIP_LABEL = "fleettune.io/chip"
 GPU_CORES_LABEL = "fleettune.io/gpu-cores"
 MEMORY_LABEL = "fleettune.io/memory-gb"
 AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+# Ray's metrics export (the dashboard agent's Prometheus endpoint, with `ray[default]` installed)
+# answers anyone, token or not, and listens on every interface of a node that is not on loopback;
+# fleettune reads nothing from it, so no fleet node runs it (docs/security.md).
+NO_METRICS_ENV = {"RAY_enable_metrics_collection": "0"}
 NODE_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")  # a valid Ray label value
 
 
@@ -46,9 +51,11 @@ class JoinPlan:
 
 def plan_join(
     simulate: str | None = None, scenario: str = "calibrated", time_scale: float = 0.0, speed: float = 1.0,
-    name: str | None = None,
+    name: str | None = None, trial_s: float | None = None,
 ) -> JoinPlan:
-    """What to ask Ray for; ``name`` is shown for this node instead of its OS hostname."""
+    """What to ask Ray for; ``name`` is shown for this node instead of its OS hostname.
+    ``trial_s``: a simulated node whose every trial takes exactly this long (a test that must
+    catch a trial in flight, whatever the machine's load)."""
     if name is not None and not NODE_NAME.fullmatch(name):
         raise BadInput(f"--name {name!r}: 1-63 letters, digits, '.', '-' or '_', starting and ending "
                        "with a letter or digit")
@@ -58,7 +65,11 @@ def plan_join(
         fp = simulated.parse_chip(simulate)
         extra = {SIMULATE_LABEL: simulated.ray_label(fp), SCENARIO_LABEL: scenario,
                  TIME_SCALE_LABEL: f"{time_scale:g}", SPEED_LABEL: f"{speed:g}"}
+        if trial_s:
+            extra[TRIAL_S_LABEL] = f"{trial_s:g}"
     else:
+        if trial_s:
+            raise BadInput("--trial-seconds is for simulated nodes (--simulate) only")
         fp = fingerprint_live()
         extra = {}
     if not fp.chip_key:
@@ -74,8 +85,9 @@ def plan_join(
 
 
 def ray_env(token: str | None) -> dict:
-    """Environment for every Ray process of the fleet: token auth, and the macOS cluster switch."""
-    env = dict(os.environ)
+    """Environment for every Ray process of the fleet: token auth, no unauthenticated metrics
+    endpoint, and the macOS cluster switch."""
+    env = {**os.environ, **NO_METRICS_ENV}
     if token:
         env.update(AUTH_ENV, RAY_AUTH_TOKEN=token)
     if platform.system() == "Darwin":
