@@ -134,8 +134,9 @@ def draw(url: str, rollout_id: int, output: str) -> None:
         medians = [m for m, _, _ in figures[when]]
         errors = [[m - lo for m, lo, _ in figures[when]], [hi - m for m, _, hi in figures[when]]]
         ax.bar([x + shift for x in xs], medians, width=0.4, yerr=errors, capsize=3, label=label)
+    ax.set_yscale("log")  # a single sample's generation rate can be 10x off under load: the range stays readable
     ax.set_xticks(list(xs), labels)
-    ax.set_ylabel(f"served {objective} tok/s (median, range of 5)")
+    ax.set_ylabel(f"served {objective} tok/s (median, range of 5; log)")
     ax.set_title(f"rollout {rollout_id}: served rate per node, from the rollout's records", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.cluster
 
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
 WORKLOAD = Workload(n_prompt=64, n_gen=8, reps=1)
-TOLERANCE = 0.4  # served figures on a shared 2-core machine are noisy; the regression is far beyond it
+# Between noise and the regression, from the four runs' records (docs/serving.md): recommendations
+# came out at 0.82-2.42 of their control group (medians), the one-thread batch-1 pin at 0.45-0.56
+TOLERANCE = 0.3
 
 
 @pytest.fixture(scope="module")
