@@ -32,7 +32,7 @@ from workers.hardware import fingerprint_from_dir, fingerprint_live
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 from workers.objective import OBJECTIVE_NAMES, OBJECTIVES
 from workers.objective import objective as objective_named
-from workers.trial import BenchParams, Workload, llama_cpp_python_code
+from workers.trial import KV_TYPES, BenchParams, Workload, llama_cpp_python_code
 
 # llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
 EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
@@ -291,28 +291,38 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@ngl_option()
+@ngl_option(type=str, default="0", help="Layers offloaded to the GPU; 99, -1 or all: every layer "
+                                        "(read as llama.cpp reads it; the table shows the effective count).")
 @threads_option()
+@click.option("-tb", "--threads-batch", type=click.IntRange(min=1), help="Prompt threads (default: -t).")
 @batch_option()
 @ubatch_option()
 @flash_attn_option()
+@click.option("-ctk", "--cache-type-k", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="K cache type.")
+@click.option("-ctv", "--cache-type-v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="V cache type (quantized only with -fa on).")
 @prompt_tokens_option()
 @gen_tokens_option()
+@depth_option()
 @reps_option()
 @timeout_option(help="Seconds before the trial is killed.")
 @db_option
 @output_options()
-def bench(model_ref, ngl, threads, batch, ubatch, flash_attn, prompt_tokens, gen_tokens, reps,
-          timeout, db_url, fmt) -> None:
+def bench(model_ref, ngl, threads, threads_batch, batch, ubatch, flash_attn, cache_type_k, cache_type_v,
+          prompt_tokens, gen_tokens, depth, reps, timeout, db_url, fmt) -> None:
     """Measure one configuration on this machine (llama-bench's method and table)."""
     from orchestrator import registry
     from orchestrator.llamabench import BENCH_LAYOUT, bench_rows
 
     info = registry.resolve(_open_db(db_url), model_ref)
-    params = BenchParams(n_gpu_layers=ngl, n_threads=threads or default_threads(fingerprint_live()),
-                         n_batch=batch, n_ubatch=ubatch or min(512, batch), flash_attn=flash_attn)
-    fp, result = bench_local(info, params, Workload(prompt_tokens, gen_tokens, reps), timeout)
-    click.echo(render(bench_rows(info, fp, params, result), BENCH_LAYOUT, fmt))
+    threads = threads or default_threads(fingerprint_live())
+    flags = (f"-ngl {ngl} -t {threads} -tb {threads_batch or threads} -b {batch} "
+             f"-ub {ubatch or min(512, batch)} -fa {flash_attn} -ctk {cache_type_k} -ctv {cache_type_v}")
+    params = BenchParams.from_llama_flags(flags, info.n_layer)
+    workload = Workload(prompt_tokens, gen_tokens, reps, depth=depth)
+    fp, result = bench_local(info, params, workload, timeout)
+    click.echo(render(bench_rows(info, fp, params, result, depth), BENCH_LAYOUT, fmt))
     if not result.ok:
         raise FleettuneError(f"trial failed: {result.error}")
 

@@ -579,9 +579,10 @@ BACKEND_NAMES = {"metal": "Metal", "cuda": "CUDA"}  # llama-bench's names; anyth
 
 def llama_bench_record(*, params: BenchParams, kind: str, samples: list[tuple[int, float]], build_commit: str,
                 cpu_info: str, gpu_info: str, backend: str | None, model_filename: str, model_type: str,
-                model_size: int, model_n_params: int, test_time: str) -> dict:
+                model_size: int, model_n_params: int, test_time: str, depth: int = 0) -> dict:
     """One llama-bench test row (its FIELDS, then samples_ns and samples_ts) from ``samples``:
-    (tokens, seconds) of one kind of test. Both the export and `fleettune bench` build theirs here."""
+    (tokens, seconds) of one kind of test, timed after ``depth`` tokens already in the KV cache.
+    Both the export and `fleettune bench` build theirs here."""
     ns = [int(round(seconds * 1e9)) for _, seconds in samples]
     ts = [tokens / seconds for tokens, seconds in samples]
     n_tokens = samples[0][0]
@@ -597,7 +598,7 @@ def llama_bench_record(*, params: BenchParams, kind: str, samples: list[tuple[in
         tensor_split="0.00", tensor_buft_overrides="none", load_mode="mmap", lazy_mode="auto", embeddings=False,
         no_op_offload=int(not params.op_offload), no_host=False, repack=True, fit_target=0, fit_min_ctx=0,
         n_prompt=n_tokens if kind == "pp" else 0, n_gen=n_tokens if kind == "tg" else 0,
-        n_depth=0, test_time=test_time,
+        n_depth=depth, test_time=test_time,
         avg_ns=int(statistics.fmean(ns)), stddev_ns=int(statistics.stdev(ns)) if len(ns) > 1 else 0,
         avg_ts=statistics.fmean(ts), stddev_ts=statistics.stdev(ts) if len(ts) > 1 else 0.0,
         samples_ns=ns, samples_ts=ts,
@@ -620,7 +621,7 @@ def export_records(trial_rows: list[dict]) -> list[dict]:
                 backend=trial.get("backend"), model_filename=trial["model_path"] or trial["model"],
                 model_type=f"{trial['architecture']} {trial['file_type']}",
                 model_size=trial["model_size"] or 0, model_n_params=trial["model_n_params"] or 0,
-                test_time=trial["started_at"] or "",
+                test_time=trial["started_at"] or "", depth=trial.get("depth") or 0,
             ))
     return out
 
@@ -629,6 +630,8 @@ def table_cells(record: Mapping) -> dict:
     """The cells of llama-bench's table for one of its test rows: model, size, params, backend,
     ngl, threads, n_batch, n_ubatch, test, t/s (mean ± standard deviation)."""
     test = f"pp{record['n_prompt']}" if record["n_prompt"] else f"tg{record['n_gen']}"
+    if record.get("n_depth"):
+        test += f" @ d{record['n_depth']}"  # as llama-bench names a test run at a depth
     return {
         "model": record["model_type"],
         "size": human_bytes(int(record["model_size"])) if record["model_size"] else None,
@@ -674,7 +677,8 @@ def write(records: Iterable[Mapping], fmt: str, out: TextIO) -> None:
     create_printer(fmt, out, TABLE_LAYOUT).print_rows(records)
 
 
-def bench_rows(model: ModelInfo, fp: Fingerprint, params: BenchParams, result: TrialResult) -> list[dict]:
+def bench_rows(model: ModelInfo, fp: Fingerprint, params: BenchParams, result: TrialResult,
+               depth: int = 0) -> list[dict]:
     """`fleettune bench`'s rows: llama-bench's table cells (one row per test) and the figures
     behind them (mean, median, deviation, every sample)."""
     rows = []
@@ -687,7 +691,7 @@ def bench_rows(model: ModelInfo, fp: Fingerprint, params: BenchParams, result: T
             params=params, kind=kind, samples=[(s.n_tokens, s.seconds) for s in samples], build_commit="",
             cpu_info=fp.chip or "", gpu_info=fp.gpu_name or "", backend=fp.backend,
             model_filename=model.path, model_type=f"{model.architecture} {model.file_type}",
-            model_size=model.size_bytes, model_n_params=model.n_params, test_time="",
+            model_size=model.size_bytes, model_n_params=model.n_params, test_time="", depth=depth,
         )
         rows.append({
             **table_cells(record),

@@ -123,6 +123,7 @@ def export_rows(db: Database, *, chip: str | None = None, model: str | None = No
                 "model_size": t.study.model.size_bytes,
                 "model_n_params": t.study.model.n_params,
                 "started_at": utc_iso(t.started_at),
+                "depth": t.study.depth,
                 "simulated": t.simulated,
             }
             for t in repo.query_trials(s, flt)

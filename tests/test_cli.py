@@ -57,6 +57,13 @@ def test_bench_json_is_llama_bench_shaped(sqlite_url, model_path):
         assert len(row["samples_ts"]) == 2 and row["avg_ts"] > 0 and row["threads"] == 1
 
 
+def test_bench_at_a_depth_names_its_tests_as_llama_bench_does(sqlite_url, model_path):
+    rows = json.loads(run("bench", model_path, "-t", "1", "-p", "16", "-n", "4", "-r", "1", "-d", "32",
+                          "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "--json", "--db", sqlite_url).output)
+    assert [r["test"] for r in rows] == ["pp16 @ d32", "tg4 @ d32"]
+    assert all(r["avg_ts"] > 0 for r in rows)
+
+
 def test_tune_results_best_end_to_end(db_url, model_path, ray_cluster, local_fingerprint):
     out = run("tune", model_path, "--trials", "4", "--address", ray_cluster["address"], "--db", db_url,
               "--chip", local_fingerprint.chip_key,
@@ -132,6 +139,9 @@ def test_bad_inputs(tuned_db, model_path, tmp_path):
     _bad(tuned_db, "tune", notgguf, "--address", address, match="not a GGUF")
     _bad(tuned_db, "bench", corrupt, match="corrupt GGUF")
     _bad(tuned_db, "bench", model_path, "--ngl", "1", "-t", "1", match="ngl 1")
+    _bad(tuned_db, "bench", model_path, "--ngl", "99", "-t", "1", match="ngl 31")  # read as every layer
+    _bad(tuned_db, "bench", model_path, "--ngl", "lots", match="whole number")
+    _bad(tuned_db, "bench", model_path, "-t", "1", "-ctv", "q4_0", "-fa", "off", match="flash attention on")
     _bad(tuned_db, "bench", model_path, "-t", "999", match="threads 999")
     _bad(tuned_db, "bench", model_path, "-t", "1", "-b", "64", "--ub", "128", match="ubatch 128")
     _bad(tuned_db, *tune, "--sampler", "annealing", match="unknown sampler")
