@@ -115,7 +115,15 @@ output_file_option = _reusable("-o", "--output", dest="out", type=click.Path(dir
 format_option = _reusable("--format", dest="fmt", type=click.Choice(FORMATS), default="table",
                           show_default=True, help="Output format.")
 # the bench parameters and workload of a trial
-ngl_option = _reusable("--ngl", "-ngl", default=0, show_default=True, help="Layers offloaded to the GPU.")
+ngl_option = _reusable("--ngl", "-ngl", type=str, default="0", show_default=True,
+                       help="Layers offloaded to the GPU; 99, -1 or all: every layer (read as llama.cpp "
+                            "reads it; what is printed is the effective count).")
+threads_batch_option = _reusable("-tb", "--threads-batch", type=click.IntRange(min=1),
+                                 help="Prompt threads (default: -t).")
+cache_type_k_option = _reusable("-ctk", "--cache-type-k", type=click.Choice(KV_TYPES), default="f16",
+                                show_default=True, help="K cache type.")
+cache_type_v_option = _reusable("-ctv", "--cache-type-v", type=click.Choice(KV_TYPES), default="f16",
+                                show_default=True, help="V cache type (quantized only with -fa on).")
 threads_option = _reusable("-t", "--threads", type=int, help="CPU threads (default: physical cores).")
 batch_option = _reusable("-b", "--batch", default=2048, show_default=True, help="Logical batch size.")
 ubatch_option = _reusable("--ub", "-ub", dest="ubatch", type=int,
@@ -291,17 +299,14 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@ngl_option(type=str, default="0", help="Layers offloaded to the GPU; 99, -1 or all: every layer "
-                                        "(read as llama.cpp reads it; the table shows the effective count).")
+@ngl_option()
 @threads_option()
-@click.option("-tb", "--threads-batch", type=click.IntRange(min=1), help="Prompt threads (default: -t).")
+@threads_batch_option()
 @batch_option()
 @ubatch_option()
 @flash_attn_option()
-@click.option("-ctk", "--cache-type-k", type=click.Choice(KV_TYPES), default="f16", show_default=True,
-              help="K cache type.")
-@click.option("-ctv", "--cache-type-v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
-              help="V cache type (quantized only with -fa on).")
+@cache_type_k_option()
+@cache_type_v_option()
 @prompt_tokens_option()
 @gen_tokens_option()
 @depth_option()
@@ -1138,14 +1143,14 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 
 @sim.command("predict")
 @sim_options
-@ngl_option(type=click.IntRange(0, 9999), default=99, help="GPU layers (beyond the model: all).")
+@ngl_option(default="99")
 @threads_option(type=click.IntRange(1, 4096), default=8, show_default=True, help=None)
 @batch_option(type=click.IntRange(1, MAX_TOKENS), default=512, help=None)
 @ubatch_option(type=click.IntRange(1, MAX_TOKENS), help="Physical batch (default: min(512, batch)).")
-@click.option("-tb", "--threads-batch", type=click.IntRange(1, 4096), help="Prompt threads (default: -t).")
+@threads_batch_option(type=click.IntRange(1, 4096))
 @flash_attn_option()
-@click.option("-ctk", "--cache-type-k", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True)
-@click.option("-ctv", "--cache-type-v", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True)
+@cache_type_k_option()
+@cache_type_v_option()
 @click.option("-ncmoe", "--n-cpu-moe", type=click.IntRange(0, 9999), default=0, show_default=True,
               help="Layers whose experts stay on the CPU (MoE shapes).")
 @output_options()
@@ -1155,9 +1160,9 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
     from workers import simulated
 
     chip, shape = _sim_target(chip_text, model_shape, quant)
-    params = BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch,
-                         n_ubatch=ubatch or min(512, batch), n_threads_batch=threads_batch,
-                         flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, n_cpu_moe=n_cpu_moe)
+    params = BenchParams.from_llama_flags(f"-ngl {ngl}", shape.n_layer, base=BenchParams(
+        n_threads=threads, n_batch=batch, n_ubatch=ubatch or min(512, batch), n_threads_batch=threads_batch,
+        flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, n_cpu_moe=n_cpu_moe))
     if params.kv_problem:
         raise BadInput(params.kv_problem)
     pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario, depth=depth)
