@@ -33,20 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.serve_rollout import wait_for  # noqa: E402 (after the path is set)
+
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
 N_PROMPT, N_GEN = 64, 8
 PARAMS = {"n_gpu_layers": 0, "n_threads": 2, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
           "n_threads_batch": None}
-
-
-def wait_for(condition, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)  # polling a condition with a deadline
-    raise TimeoutError("condition not met")
 
 
 class Loop:
