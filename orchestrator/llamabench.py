@@ -38,7 +38,7 @@ from orchestrator.report import (
 from workers.errors import BadInput
 from workers.hardware import Fingerprint, make_chip_key
 from workers.models import ModelInfo
-from workers.trial import BenchParams, Sample, TrialResult
+from workers.trial import KV_TYPES, BenchParams, Sample, TrialResult
 
 # llama-bench's own field order (tools/llama-bench: test::get_fields), then its two sample lists.
 FIELDS = [
@@ -363,6 +363,14 @@ def _samples_ns(record: dict) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _cache_type(record: dict, key: str) -> str:
+    """A KV cache type fleettune searches (f16 where the record has none)."""
+    value = str(record.get(key) or "f16").strip().lower()
+    if value not in KV_TYPES:
+        raise ValueError(f"{key} {value[:20]!r}: fleettune knows {', '.join(KV_TYPES)}")
+    return value
+
+
 def parse_record(line: int, record: dict) -> BenchRow:
     """A checked row; ValueError says why a record cannot be imported."""
     for key in REQUIRED:
@@ -392,7 +400,8 @@ def parse_record(line: int, record: dict) -> BenchRow:
     params = BenchParams(
         n_gpu_layers=ngl, n_threads=_int(record, "n_threads", lo=-1), n_batch=n_batch,
         n_ubatch=min(n_ubatch, n_batch),  # llama.cpp clamps the micro-batch to the batch
-        flash_attn=_int(record, "flash_attn", 0, lo=-1, hi=1) == 1,  # -1 (auto) is stored as off
+        flash_attn={-1: "auto", 0: "off", 1: "on"}[_int(record, "flash_attn", 0, lo=-1, hi=1)],
+        type_k=_cache_type(record, "type_k"), type_v=_cache_type(record, "type_v"),
     )
     if min(params.n_gpu_layers, params.n_threads - 1, params.n_batch - 1, params.n_ubatch - 1) < 0:
         raise ValueError("out-of-range parameters")
