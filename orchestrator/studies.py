@@ -431,7 +431,8 @@ class StudyRunner:
         # Optuna creates its own tables on a database's first use: two drivers starting at once
         # race to stamp its version (a duplicate key for one of them); the second attempt finds it
         self.optuna_study = retrying(self._optuna_study, conflicts=True)
-        if existing is None and self.sampler != "grid":  # a grid covers it all
+        # a grid covers it all, and a seed scan is llama-bench's own loop, scanned as it is
+        if existing is None and self.sampler not in ("grid", "seed-scan"):
             self._enqueue_starts()
         self._reconcile_optuna()
         self.storage.flush()
