@@ -27,41 +27,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve_rollout import wait_for  # noqa: E402 (after the path is set)
+from bench.serve_load import RoundRobinLoop  # noqa: E402 (after the path is set)
+from bench.serve_rollout import wait_for  # noqa: E402
 
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
 N_PROMPT, N_GEN = 64, 8
 PARAMS = {"n_gpu_layers": 0, "n_threads": 2, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
           "n_threads_batch": None}
-
-
-class Loop:
-    """The done-when test's client: one openai client per server, requests in turn (bounded)."""
-
-    def __init__(self, statuses: list[dict], max_requests: int = 5000, max_s: float = 1200) -> None:
-        from openai import OpenAI
-
-        self.clients = [(OpenAI(base_url=s["address"], api_key="none", max_retries=0, timeout=120), s["model"])
-                        for s in statuses]
-        self.max_requests, self.deadline = max_requests, time.monotonic() + max_s
-        self.ok = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        for i in range(self.max_requests):
-            if self.stop.is_set() or time.monotonic() > self.deadline:
-                return
-            client, model = self.clients[i % len(self.clients)]
-            client.completions.create(model=model, prompt=f"Request {i}: the weather today is", max_tokens=8,
-                                      temperature=0)
-            self.ok += 1
 
 
 def old_sample(address: str, model: str, prompt: str) -> tuple[float, float, int, int]:
@@ -143,28 +120,27 @@ def main() -> None:
     try:
         statuses = [wait_for(lambda n=n: (s := serve.read_status(n)) and s["healthy"] and s["config_version"] == 1
                              and s, 180) for n in nodes]
-        loop = Loop(statuses)
-        loop.thread.start()
-        wait_for(lambda: loop.ok >= 3, 120)
-        ratios: dict[tuple[str, str], list[float]] = {}
-        objectives = [objective(name) for name in ("tg", "pp", "e2e")]
-        for analysis in range(args.analyses):
-            line = []
-            for method, run in (("old", old_method), ("new", new_method)):
-                for name, rates in run(statuses, objectives).items():
-                    canary, controls = rates[analysis % 3], [r for i, r in enumerate(rates) if i != analysis % 3]
-                    ratio = canary / statistics.median(controls) if canary and all(controls) else float("nan")
-                    ratios.setdefault((method, name), []).append(ratio)
-                    line.append(f"{method} {name} {ratio:.2f}")
-            print(f"analysis {analysis + 1}/{args.analyses} ({loop.ok} loop requests so far): {', '.join(line)}",
-                  flush=True)
-        loop.stop.set()
-        loop.thread.join(timeout=120)
+        with RoundRobinLoop(statuses, max_requests=5000, max_s=1200) as loop:
+            wait_for(lambda: loop.ok >= 3, 120)
+            ratios: dict[tuple[str, str], list[float]] = {}
+            objectives = [objective(name) for name in ("tg", "pp", "e2e")]
+            for analysis in range(args.analyses):
+                line = []
+                for method, run in (("old", old_method), ("new", new_method)):
+                    for name, rates in run(statuses, objectives).items():
+                        canary, controls = rates[analysis % 3], [r for i, r in enumerate(rates) if i != analysis % 3]
+                        ratio = canary / statistics.median(controls) if canary and all(controls) else float("nan")
+                        ratios.setdefault((method, name), []).append(ratio)
+                        line.append(f"{method} {name} {ratio:.2f}")
+                print(f"analysis {analysis + 1}/{args.analyses} ({loop.ok} loop requests so far): {', '.join(line)}",
+                      flush=True)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.wait(timeout=120)
+    first_failure = f" (first: {loop.failures[0]})" if loop.failures else ""
+    print(f"\nrequest loop: {loop.ok} answered, {len(loop.failures)} failed{first_failure}")
     print(f"\nA/A canary/control ratio, {args.analyses} analyses per cell, workload {N_PROMPT}+{N_GEN} tokens, "
           f"params {PARAMS}")
     print(f"{'method':6} {'objective':9} {'median':>7} {'min':>6} {'max':>6} {'<0.8':>5} {'<0.6':>5}")

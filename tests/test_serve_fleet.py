@@ -12,12 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.serve_load import RoundRobinLoop
 from orchestrator import rollout as ro
 from orchestrator.db import open_database, repo
 from orchestrator.dispatch import BENCH_RESOURCE, CHIP_LABEL
@@ -65,40 +65,6 @@ def serving_fleet(ray_cluster, local_fingerprint, model_path, tmp_path_factory):
             cluster.remove_node(node)
         for node_id in nodes:
             nodeconfig.write(node_id, None)
-
-
-class RoundRobinLoop:
-    """One openai client per server, requests in turn (at most ``max_requests``, ``max_s`` seconds)."""
-
-    def __init__(self, statuses: list[dict], max_requests: int = 2000, max_s: float = 900) -> None:
-        from openai import OpenAI
-
-        self.clients = [(OpenAI(base_url=s["address"], api_key="none", max_retries=0, timeout=120), s["model"])
-                        for s in statuses]
-        self.max_requests, self.deadline = max_requests, time.monotonic() + max_s
-        self.ok, self.failures = 0, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        for i in range(self.max_requests):
-            if self._stop.is_set() or time.monotonic() > self.deadline:
-                return
-            client, model = self.clients[i % len(self.clients)]
-            try:
-                client.completions.create(model=model, prompt=f"Request {i}: the weather today is",
-                                          max_tokens=8, temperature=0)
-                self.ok += 1
-            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
-                self.failures.append(f"{type(exc).__name__}: {exc} ({exc.__cause__!r})")
-
-    def __enter__(self) -> RoundRobinLoop:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=180)
 
 
 @pytest.mark.timeout(1800)  # three real studies and five rollouts on real servers
