@@ -52,7 +52,7 @@ study() {  # (b)
     # shellcheck disable=SC2086
     python3 "$SRC/bench/cuda/side_by_side.py" run-fleettune "$STUDY_S" "$W/study.log" -- \
         python3 -c 'import sys; from orchestrator.cli import main; sys.argv[0] = "fleettune"; main()' \
-        tune "$M8B" --trials 10 $STUDY_ARGS --seed 1 --quiet --db "sqlite:///$W/study.db" --json &&
+        tune "$M8B" --trials "${STUDY_TRIALS:-10}" $STUDY_ARGS --seed 1 --quiet --db "sqlite:///$W/study.db" --json &&
     ft results --db "sqlite:///$W/study.db" --state all --json > "$W/study-results.json" 2>&1
     ft best --model "$M8B" --db "sqlite:///$W/study.db" --json > "$W/study-best.json" 2>&1
     return 0
