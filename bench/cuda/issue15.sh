@@ -72,16 +72,16 @@ versus() {  # (c)
 }
 
 diagnose() {  # flash attention off at a depth of 8k on the GPU: does llama-bench abort too?
-    local cfg="-ngl 99 -fa 0 -p 0 -n 32 -r 1"
-    for d in 4096 8160; do
+    local cfg="-ngl 99 -fa 0 -p 0 -n 32 -r 1 ${DIAG_FLAGS:-}"
+    for d in ${DIAG_DEPTHS:-4096 8160}; do
         echo "-- llama-bench $cfg -d $d"
         timeout -s KILL 120 "$LB" -m "$M8B" $cfg -d "$d" 2>&1 | tail -n 25
         echo "rc=${PIPESTATUS[0]}"
         echo "-- fleettune bench --ngl 99 -fa off -d $d"
         timeout -s KILL 120 python3 -c 'import sys; from orchestrator.cli import main; sys.argv[0] = "fleettune"; main()' \
-            bench "$M8B" --ngl 99 -fa off -p 0 -n 32 -r 1 -d "$d" 2>&1 | tail -n 25
+            bench "$M8B" --ngl 99 -fa off -p 0 -n 32 -r 1 ${DIAG_FLAGS:-} -d "$d" 2>&1 | tail -n 25
         echo "rc=${PIPESTATUS[0]}"
-    done > "$W/diagnose.log" 2>&1
+    done >> "$W/diagnose.log" 2>&1
     return 0
 }
 

@@ -11,6 +11,11 @@
 
 W=${W:-/tmp/ft}
 D=${D:-$(pwd)/.device}
+# Each device call copies the working tree afresh, which replaces the directory a detached step
+# started in (Ray then fails on os.getcwd()): the steps run from a copy of the sources of their own.
+if [ "${1:-}" = steps ] && [ -d "${SRC:?}" ]; then
+    rm -rf "$W/run" && mkdir -p "$W" && cp -r "$SRC" "$W/run" && SRC=$W/run
+fi
 LLAMA_SRC_VERSION=0.3.36
 export PYTHONPATH=/tmp/site:${SRC:?SRC must be set before sourcing lib.sh} PYTHONUNBUFFERED=1 FLEETTUNE_HOME=$W/home
 mkdir -p "$W" /tmp/site
