@@ -96,7 +96,8 @@ def true_value(chip, shape, params: BenchParams, objective: str, scenario: str, 
 
 def space_for(chip, shape, objective: str = "tg", workload: Workload = WORKLOAD) -> SearchSpace:
     info = shape  # a named shape is its own model record
-    return SearchSpace.for_target(chip, info, workload.n_prompt, objective, moe_layout(info))
+    return SearchSpace.for_target(chip, info, workload.n_prompt, objective, moe_layout(info),
+                                  depth=workload.depth)
 
 
 def every_config(chip, shape, space: SearchSpace):

@@ -123,9 +123,14 @@ class SearchSpace:
 
     @classmethod
     def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: str = "tg",
-                   moe: MoeLayout | None = None) -> SearchSpace:
-        top = min(MAX_BATCH, model.context_length or MAX_BATCH, next_power_of_two(max(n_prompt, 1)))
+                   moe: MoeLayout | None = None, depth: int = 0) -> SearchSpace:
         prompt = str(objective) in PROMPT_OBJECTIVES and n_prompt > 0
+        # Where the batch is not searched it stays at llama.cpp's default, clipped to the most
+        # tokens one decode can get: the prompt's, or the depth's, which fill the KV cache with that
+        # batch before tg is timed (clipped to the prompt alone, a tg study at a depth of 8k filled
+        # it 32 tokens at a time: slow enough to time trials out, and on CUDA with -fa off an abort).
+        fill = n_prompt if prompt else max(n_prompt, depth)
+        top = min(MAX_BATCH, model.context_length or MAX_BATCH, next_power_of_two(max(fill, 1)))
         logical = max(fp.logical_cores or 1, 1)
         threads = logical
         if fp.p_cores and fp.p_cores < logical:

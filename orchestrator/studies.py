@@ -423,7 +423,7 @@ class StudyRunner:
         for params in self.baselines.values():
             validate_params(params, fp, cfg.model)
         space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, str(self.objective),
-                                       moe_layout(cfg.model))
+                                       moe_layout(cfg.model), depth=cfg.workload.depth)
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)

@@ -171,3 +171,17 @@ def test_the_compact_cache_guess_is_flash_attention_on_with_the_smallest_types()
     assert guess.kv_problem is None and space.clip(guess) == guess
     old = SearchSpace.from_dict({"ngl_max": 33, "threads_max": 8, "batch_choices": [512]})
     assert compact_cache(guess, old) is None
+
+
+def test_a_tg_study_at_a_depth_fills_the_cache_with_llama_cpps_default_batch():
+    """The depth is filled with the trial's batch before tg is timed: clipped to the empty prompt,
+    a tg study at depth 8160 filled it 32 tokens at a time (trials timed out on the H200, and with
+    -fa off llama.cpp's CUDA backend aborted: docs/cuda-h200/issue15)."""
+    chip = simulated.parse_chip("M2 Ultra/76")
+    deep = SearchSpace.for_target(chip, MODEL, n_prompt=0, objective="tg", depth=4000)
+    assert not deep.tune_batch and deep.default_batch() == (2048, 512)
+    assert full_offload(chip, MODEL, deep).n_batch == 512  # llama-cpp-python's, no longer clipped to 32
+    assert SearchSpace.for_target(chip, MODEL, n_prompt=0, objective="tg").default_batch() == (32, 32)
+    # a prompt objective searches the batch for the prompt's tokens, whatever the depth
+    pp = SearchSpace.for_target(chip, MODEL, n_prompt=128, objective="pp", depth=4000)
+    assert pp.tune_batch and max(pp.batch_choices) == 128
