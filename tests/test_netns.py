@@ -57,9 +57,6 @@ RAY_WILDCARD = {
     "core worker": "the gRPC server of every driver and Ray worker (CoreWorker): the same GrpcServer::Run",
     "dashboard agent": "the dashboard agent's gRPC server (ray[default]): dashboard/agent.py binds "
                        "get_all_interfaces_ip() unless the node is on loopback",
-    "dashboard": "the dashboard's own Prometheus endpoint (head start --dashboard): dashboard/head.py "
-                 "calls prometheus_client.start_http_server without an address unless the node is "
-                 "on loopback; it answers without the token (read-only metrics of the dashboard process)",
 }
 TUNE = ["--prompt-tokens", "64", "--gen-tokens", "16", "-r", "1", "--quiet", "--no-warm-start",
         "--confirm-top", "0", "--address", ADDRESS]
@@ -295,17 +292,13 @@ def test_a_lan_head_binds_each_ray_server_to_its_address_only(name, busy_head):
 def test_every_port_of_the_head_refuses_a_missing_or_wrong_token(busy_head):
     """From the intruder's host, each port the head listens on (per ss, with a driver connected,
     and the dashboard and job API where `ray[default]` is installed) is knocked on without a token
-    and with a wrong one: refused by the server itself; the right token is served. The one
-    exception is stated: Ray's dashboard serves its Prometheus metrics to anyone (RAY_WILDCARD)."""
+    and with a wrong one: refused by the server itself; the right token is served. No exception:
+    the dashboard's own Prometheus endpoint, which answered anyone, is not started (join.py)."""
     ports, results = busy_head["ports"], busy_head["probe"]
-    open_metrics = {port for addr, port, name in busy_head["listeners"] if name == "dashboard" and wildcard(addr)}
     refused = {"UNAUTHENTICATED", "401", "403"}
     assert [r["port"] for r in results] == ports
     for r in results:
         assert r["service"] not in ("unknown", "unreachable"), r
-        if r["port"] in open_metrics:
-            assert r["service"] == "http GET /metrics" and r["none"] == "200", r  # docs/security.md
-            continue
         assert r["none"] in refused and r["wrong"] in refused, r
         assert r["right"] not in refused | {"UNIMPLEMENTED", "UNAVAILABLE"}, r
     services = {r["service"] for r in results}

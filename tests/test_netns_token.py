@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -107,6 +108,30 @@ def test_head_and_workers_start_ray_without_its_unauthenticated_metrics_endpoint
     assert "--no-monitor" in args and args[args.index("--node-ip-address") + 1] == "127.0.0.1"
     assert env["RAY_enable_metrics_collection"] == "0" and env["RAY_AUTH_MODE"] == "token"
     assert join.ray_env(None)["RAY_enable_metrics_collection"] == "0"  # `worker start` too
+    assert env["DASHBOARD_METRIC_PORT"] == "65536"  # the dashboard's own endpoint: see below
+
+
+def test_the_dashboards_metrics_endpoint_fails_to_start_on_the_port_fleettune_gives_it():
+    """Ray has no switch for the dashboard's Prometheus endpoint (token-free, every interface off
+    loopback); fleettune gives it a port no socket can bind, which Ray's start of it catches and
+    logs. Fails loudly when a newer Ray reads the port elsewhere or stops guarding the start."""
+    import ast
+    import socket
+
+    import ray
+
+    from workers import join
+
+    port = int(join.NO_METRICS_ENV["DASHBOARD_METRIC_PORT"])
+    with socket.socket() as sock, pytest.raises(OverflowError):
+        sock.bind(("", port))  # what prometheus_client.start_http_server does with it
+    root = Path(ray.__file__).parent / "dashboard"
+    consts = (root / "consts.py").read_text()
+    assert 'DASHBOARD_METRIC_PORT = env_integer("DASHBOARD_METRIC_PORT"' in consts
+    guarded = [node for node in ast.walk(ast.parse((root / "head.py").read_text())) if isinstance(node, ast.Try)
+               and any(isinstance(h.type, ast.Name) and h.type.id == "Exception" for h in node.handlers)
+               and "start_http_server" in ast.unparse(ast.Module(body=node.body, type_ignores=[]))]
+    assert guarded, "ray/dashboard/head.py no longer starts its metrics server inside try/except Exception"
 
 
 def test_a_fixed_trial_duration_is_for_simulated_nodes_only():

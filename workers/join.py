@@ -35,7 +35,10 @@ AUTH_ENV = {"RAY_AUTH_MODE": "token"}
 # Ray's metrics export (the dashboard agent's Prometheus endpoint, with `ray[default]` installed)
 # answers anyone, token or not, and listens on every interface of a node that is not on loopback;
 # fleettune reads nothing from it, so no fleet node runs it (docs/security.md).
-NO_METRICS_ENV = {"RAY_enable_metrics_collection": "0"}
+# The dashboard's own Prometheus endpoint (`head start --dashboard`) has no switch and binds every
+# interface off loopback: a port no socket can bind makes Ray's guarded start of it fail, logged,
+# and the dashboard runs without it (tests/test_netns_token.py checks Ray's code still guards it).
+NO_METRICS_ENV = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT": "65536"}
 NODE_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")  # a valid Ray label value
 
 
