@@ -530,7 +530,7 @@ BEST_COLUMNS = [
 
 
 @main.command()
-@model_option(required=True, help="Model name, sha256 prefix or path.")
+@model_option(required=True, help="Model name, sha256 prefix, path or sim://.")
 @chip_option(dest="chip", help="Chip key (or prefix).")
 @objective_option(default=None, show_default=False, help="tg | pp | e2e (default: all).")
 @db_option
