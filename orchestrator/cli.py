@@ -1080,11 +1080,7 @@ def fleet_status(address, db_url, fmt) -> None:
 
     db = _open_db(db_url)
     with dispatch.connected(address or "auto"):
-        rows = []
-        for row in serving.fleet_rows(db):
-            row["last_seen"] = row["last_seen"].strftime("%Y-%m-%d %H:%M") if row["last_seen"] else None
-            row["flag"] = f"slow {row['slow_by']:.0%}" if row["slow_by"] else ("sim" if row["simulated"] else "")
-            rows.append(row)
+        rows = serving.fleet_rows(db)
     click.echo(render(rows, STATUS_COLUMNS, fmt))
 
 
