@@ -507,29 +507,11 @@ class NewRecommendation:
 def add_recommendation(session: Session, new: NewRecommendation) -> Recommendation:
     """Store the next version of a recommendation; an unchanged one is the latest version again."""
     fields = new.columns()
-    version = (
-        session.scalar(
-            select(func.max(Recommendation.version)).where(
-                Recommendation.chip_id == fields["chip_id"],
-                Recommendation.model_id == fields["model_id"],
-                Recommendation.objective == fields["objective"],
-                Recommendation.n_prompt == fields["n_prompt"],
-                Recommendation.n_gen == fields["n_gen"],
-                Recommendation.depth == fields["depth"],
-            )
-        )
-        or 0
-    )
+    target = [getattr(Recommendation, key) == fields[key]  # the versions of one recommendation
+              for key in ("chip_id", "model_id", "objective", "n_prompt", "n_gen", "depth")]
+    version = session.scalar(select(func.max(Recommendation.version)).where(*target)) or 0
     if version:
-        latest = session.scalar(select(Recommendation).where(
-            Recommendation.chip_id == fields["chip_id"],
-            Recommendation.model_id == fields["model_id"],
-            Recommendation.objective == fields["objective"],
-            Recommendation.n_prompt == fields["n_prompt"],
-            Recommendation.n_gen == fields["n_gen"],
-            Recommendation.depth == fields["depth"],
-            Recommendation.version == version,
-        ))
+        latest = session.scalar(select(Recommendation).where(*target, Recommendation.version == version))
         if latest is not None and _same_recommendation(latest, fields):
             return latest  # nothing changed: a version counts only real changes
     rec = Recommendation(version=version + 1, **fields)
