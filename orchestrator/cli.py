@@ -91,7 +91,7 @@ address_option = _reusable("--address", help="Ray cluster address (default: the 
 objective_option = _reusable("--objective", dest="objective", type=ObjectiveChoice(), default="tg",
                              show_default=True, help=OBJECTIVE_HELP)
 chip_option = _reusable("--chip", dest="chip_key", help="Chip key (or its prefix, e.g. apple-m2-ultra).")
-model_option = _reusable("--model", dest="model_ref", help="Model name or sha256 prefix.")
+model_option = _reusable("--model", dest="model_ref", help="Model name, sha256 prefix, path or sim://.")
 study_option = _reusable("--study", help="Study name.")
 scenario_option = _reusable("--scenario", type=click.Choice(SCENARIOS), default="calibrated",
                             show_default=True, help="Simulated nodes only.")
@@ -901,7 +901,7 @@ def plot_importance(study, out, db_url) -> None:
 
 
 @plot.command("chips")
-@model_option(required=True, help="Model name, sha256 prefix or path.")
+@model_option(required=True, help="Model name, sha256 prefix, path or sim://.")
 @objective_option(default=None, show_default=False, help="tg | pp | e2e (default: all).")
 @_plot_output
 @db_option
