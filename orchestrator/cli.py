@@ -91,7 +91,7 @@ address_option = _reusable("--address", help="Ray cluster address (default: the 
 objective_option = _reusable("--objective", dest="objective", type=ObjectiveChoice(), default="tg",
                              show_default=True, help=OBJECTIVE_HELP)
 chip_option = _reusable("--chip", dest="chip_key", help="Chip key (or its prefix, e.g. apple-m2-ultra).")
-model_option = _reusable("--model", dest="model_ref", help="Model name or sha256 prefix.")
+model_option = _reusable("--model", dest="model_ref", help="Model name, sha256 prefix, path or sim://.")
 study_option = _reusable("--study", help="Study name.")
 scenario_option = _reusable("--scenario", type=click.Choice(SCENARIOS), default="calibrated",
                             show_default=True, help="Simulated nodes only.")
@@ -99,7 +99,17 @@ time_scale_option = _reusable("--time-scale", default=0.0, show_default=True,
                               help="Real seconds slept per simulated second of benchmarking.")
 token_file_option = _reusable("--token-file", type=click.Path(dir_okay=False, path_type=Path),
                               help="The head's token file (default: the data dir).")
-token_option = _reusable("--token", envvar="FLEETTUNE_RAY_TOKEN", help="The head's token (env FLEETTUNE_RAY_TOKEN).")
+
+
+def _refuse_token_on_argv(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """The token never goes on a command line: ``ps`` shows argv to every local user (issue 14)."""
+    if value is not None:
+        raise BadInput("--token puts the fleet's token on the command line, visible in ps: "
+                       "use --token-file PATH or the FLEETTUNE_RAY_TOKEN environment variable")
+
+
+refused_token_option = _reusable("--token", hidden=True, expose_value=False, callback=_refuse_token_on_argv,
+                                 help="Refused: it would show the token in ps.")
 host_option = _reusable("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 port_option = _reusable("--port", type=int, default=8080, show_default=True)
 system_option = _reusable("--system", type=click.Choice(["darwin", "linux"]), help="Default: this machine's.")
@@ -530,7 +540,7 @@ BEST_COLUMNS = [
 
 
 @main.command()
-@model_option(required=True, help="Model name, sha256 prefix or path.")
+@model_option(required=True, help="Model name, sha256 prefix, path or sim://.")
 @chip_option(dest="chip", help="Chip key (or prefix).")
 @objective_option(default=None, show_default=False, help="tg | pp | e2e (default: all).")
 @db_option
@@ -788,13 +798,15 @@ def service() -> None:
 @service.command("install")
 @click.argument("kind", type=click.Choice(["worker", "serve"]))
 @address_option(help="The head, HOST:PORT (worker: required; serve: to ask the head for configs).")
-@token_option()
+@token_file_option(help="File holding the head's token: the service reads it at each start (else the token in "
+                        "$FLEETTUNE_RAY_TOKEN or the file $FLEETTUNE_RAY_TOKEN_FILE names).")
+@refused_token_option()
 @model_option(dest="model_path", help="serve: the GGUF file to serve.")
 @port_option(type=click.IntRange(1, 65535))
 @system_option()
-def service_install(kind, address, token, model_path, port, system) -> None:
+def service_install(kind, address, token_file, model_path, port, system) -> None:
     """Write the service file and print the command that starts it."""
-    done = svc.install(kind, address=address, model=model_path, port=port, token=token, system=system)
+    done = svc.install(kind, address=address, model=model_path, port=port, token_file=token_file, system=system)
     click.echo(f"wrote {done.path}")
     click.echo(f"start it with:  {done.load}")
 
@@ -889,7 +901,7 @@ def plot_importance(study, out, db_url) -> None:
 
 
 @plot.command("chips")
-@model_option(required=True, help="Model name, sha256 prefix or path.")
+@model_option(required=True, help="Model name, sha256 prefix, path or sim://.")
 @objective_option(default=None, show_default=False, help="tg | pp | e2e (default: all).")
 @_plot_output
 @db_option
@@ -1020,7 +1032,7 @@ def worker() -> None:
 @address_option(required=True, help="The head, HOST:PORT.")
 @token_file_option(help="File holding the head's token (else $FLEETTUNE_RAY_TOKEN, else this machine's "
                         "data dir).")
-@token_option(dest="token_value", envvar=None, hidden=True, help="Refused: it would show the token in ps.")
+@refused_token_option()
 @click.option("--simulate", "simulate", metavar="CHIP",
               help='Join as a simulated Mac, e.g. "M2 Ultra/76" or "M2 Ultra/76/192".')
 @scenario_option()
@@ -1029,14 +1041,10 @@ def worker() -> None:
 @click.option("--trial-seconds", type=click.FloatRange(min=0, min_open=True), hidden=True,
               help="Simulated nodes: every trial takes exactly this long (tests).")
 @output_options()
-def worker_start(address, token_file, token_value, simulate, scenario, time_scale, name, trial_seconds,
-                 fmt) -> None:
+def worker_start(address, token_file, simulate, scenario, time_scale, name, trial_seconds, fmt) -> None:
     """Fingerprint this node and join the head's Ray cluster with one bench slot."""
     from orchestrator import fleet
 
-    if token_value is not None:
-        raise BadInput("--token puts the fleet's token on the command line, visible in ps: "
-                       "use --token-file PATH or the FLEETTUNE_RAY_TOKEN environment variable")
     token = fleet_token.resolve(token_file, fleet.token_path())
     plan = join.plan_join(simulate, scenario, time_scale, name=name, trial_s=trial_seconds)
     dispatch.check_reachable(address)
@@ -1080,11 +1088,7 @@ def fleet_status(address, db_url, fmt) -> None:
 
     db = _open_db(db_url)
     with dispatch.connected(address or "auto"):
-        rows = []
-        for row in serving.fleet_rows(db):
-            row["last_seen"] = row["last_seen"].strftime("%Y-%m-%d %H:%M") if row["last_seen"] else None
-            row["flag"] = f"slow {row['slow_by']:.0%}" if row["slow_by"] else ("sim" if row["simulated"] else "")
-            rows.append(row)
+        rows = serving.fleet_rows(db)
     click.echo(render(rows, STATUS_COLUMNS, fmt))
 
 

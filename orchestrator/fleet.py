@@ -112,6 +112,14 @@ class NodeStatus:
     last_seen: object
     slow_by: float | None  # how much slower than its peers, when flagged
 
+    @property
+    def flag(self) -> str:
+        """`fleet status`'s flag: "slow 23%" for a node slower than its peers, else "sim" for a
+        simulated one."""
+        if self.slow_by:
+            return f"slow {self.slow_by:.0%}"
+        return "sim" if self.simulated else ""
+
 
 def node_states() -> dict[str, tuple[str, str | None, dict]]:
     """Ray's view of the bench nodes: node id -> (idle | busy | dead, chip label, labels)."""

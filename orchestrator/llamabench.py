@@ -555,14 +555,14 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
                 model_row = repo.upsert_model(s, info)
                 base = f"llama-bench/{fp.chip_key}/{info.name}/{file.stem}"[:MAX_STUDY_BASE_CHARS]
                 name = repo.free_study_name(s, base)
-                studies[key] = repo.add_study(
-                    s, name=name, chip_id=chip.id, model_id=model_row.id, objective="tg",
+                studies[key] = repo.add_study(s, repo.NewStudy(
+                    name=name, chip_id=chip.id, model_id=model_row.id, objective="tg",
                     n_prompt=max((r.n_tokens for r in rows if r.kind == "pp"), default=0),
                     n_gen=max((r.n_tokens for r in rows if r.kind == "tg"), default=0),
                     reps=max((len(r.samples_ns) for r in rows), default=1), sampler="llama-bench",
                     budget=len(groups), space={}, simulated=False, state="complete",
                     message=f"imported from {file.name}"[:1000], source_sha256=sha256,
-                )
+                ))
                 report.studies.append(name)
             trials_of.setdefault(studies[key].id, []).append(trial_rows)
         for study_id, trials in trials_of.items():  # a few bulk statements per study, not per trial

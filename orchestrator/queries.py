@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from orchestrator import learn
 from orchestrator.db import Database, repo
+from orchestrator.registry import model_key
 from workers.errors import BadInput
 from workers.trial import BenchParams
 
@@ -17,7 +18,7 @@ def trial_rows(
     state: str | None = "complete",
     top: int | None = None,
 ) -> list[dict]:
-    flt = repo.ResultFilter(chip=chip, model=model, study=study, state=state, top=top)
+    flt = repo.ResultFilter(chip=chip, model=model and model_key(db, model), study=study, state=state, top=top)
     with db.session() as s:
         trials = repo.query_trials(s, flt)
         return [
@@ -53,11 +54,8 @@ def trial_rows(
 
 
 def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | None) -> list[dict]:
-    from orchestrator.registry import looks_like_path, resolve
-
-    ref = resolve(db, model_ref).sha256 if looks_like_path(model_ref) else model_ref
     with db.session() as s:
-        models = repo.find_models(s, ref)
+        models = repo.find_models(s, model_key(db, model_ref))
         if not models:
             raise BadInput(f"unknown model {model_ref!r}")
         recs = repo.latest_recommendations(s, [m.id for m in models], chip, objective)
@@ -104,7 +102,7 @@ def export_rows(db: Database, *, chip: str | None = None, model: str | None = No
     """Completed trials with what llama-bench's rows need: samples, chip, backend, build, model."""
     from orchestrator.llamabench import utc_iso
 
-    flt = repo.ResultFilter(chip=chip, model=model, study=study, state="complete", top=None,
+    flt = repo.ResultFilter(chip=chip, model=model and model_key(db, model), study=study, state="complete", top=None,
                             simulated=simulated)  # never real and simulated rows in one file
     with db.session() as s:
         return [

@@ -46,6 +46,12 @@ def looks_like_path(ref: str) -> bool:
     return Path(ref).expanduser().exists() or ref.endswith(".gguf") or os.sep in ref
 
 
+def model_key(db: Database, ref: str) -> str:
+    """What a stored row's model is matched by for ``ref``: a path's or a sim:// reference's
+    sha256 (neither is a stored name), else ``ref`` itself (a name or a sha256 prefix)."""
+    return resolve(db, ref).sha256 if is_sim_model(ref) or looks_like_path(ref) else ref
+
+
 def resolve(db: Database, ref: str, *, write: bool = False) -> ModelInfo:
     """The model ``ref`` names: a path, a simulated shape (sim://NAME/QUANT), a name or a prefix.
 

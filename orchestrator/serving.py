@@ -47,17 +47,18 @@ def _health(status: dict | None) -> str:
 
 
 def fleet_rows(db: Database) -> list[dict]:
-    """`fleet status`: every node's state and history, with what it serves (model, config version,
-    health, address)."""
+    """`fleet status`: every node's state and history (last seen to the minute, its flag), with what
+    it serves (model, config version, health, address)."""
     nodes = fleet.fleet_status(db)
     serving = node_serving([n.ray_node_id for n in nodes if n.state in ("idle", "busy")])
     rows = []
     for n in nodes:
         status = serving.get(n.ray_node_id)
         served = status if status and "health" not in status else {}
-        rows.append({**n.__dict__, "served_model": served.get("model"),
+        last_seen = n.last_seen.strftime("%Y-%m-%d %H:%M") if n.last_seen else None
+        rows.append({**n.__dict__, "last_seen": last_seen, "served_model": served.get("model"),
                      "config_version": served.get("config_version"), "health": _health(status),
-                     "address": served.get("address")})
+                     "address": served.get("address"), "flag": n.flag})
     return rows
 
 

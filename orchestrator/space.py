@@ -83,7 +83,7 @@ def moe_layout(model: ModelInfo) -> MoeLayout | None:
     from workers import simulated
 
     if simulated.is_sim_model(model.path):
-        shape = simulated.as_sim_shape(simulated.parse_sim_model(model.path))
+        shape = simulated.parse_sim_model(model.path)
         if not shape.n_expert:
             return None
         return MoeLayout(shape.n_expert, int(shape.bytes_of(shape.n_layer * shape.expert_params)))

@@ -337,9 +337,9 @@ def _study_with_values(url: str, objective: str, values: list[float]) -> None:
                      n_layer=2, n_params=1000, file_type="Q4_0", size_bytes=1000, context_length=None)
     with db.session() as s:
         chip, model = repo.upsert_chip(s, fp), repo.upsert_model(s, info)
-        study = repo.add_study(s, name=f"s-{objective}", chip_id=chip.id, model_id=model.id,
-                               objective=objective, n_prompt=16, n_gen=4, reps=1, sampler="random",
-                               budget=len(values), space={}, simulated=False, state="complete")
+        study = repo.add_study(s, repo.NewStudy(
+            name=f"s-{objective}", chip_id=chip.id, model_id=model.id, objective=objective, n_prompt=16, n_gen=4,
+            reps=1, sampler="random", budget=len(values), space={}, simulated=False, state="complete"))
         for threads, value in enumerate(values, start=1):
             params = BenchParams(n_gpu_layers=0, n_threads=threads, n_batch=16, n_ubatch=16)
             trial = repo.start_trial(s, study_id=study.id, optuna_number=threads, phase="search",

@@ -172,3 +172,30 @@ def test_head_start_refuses_a_port_in_use():
         result = CliRunner().invoke(main, ["head", "start", "--port", str(port)])
     assert result.exit_code == 2
     assert f"127.0.0.1:{port} is already in use" in result.output
+
+
+def test_best_and_results_take_a_sim_reference(sqlite_url):
+    """A simulated study's model is named by its sim:// reference, as `tune` took it (not a stored
+    name, so it once matched nothing: `best` said "unknown model", `results` printed no rows)."""
+    from functools import partial
+
+    from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner
+    from orchestrator.virtual import VirtualFleet
+    from workers import simulated
+    from workers.trial import Workload
+
+    ref = "sim://llama2-7b/q4_0"
+    chip = simulated.parse_chip("M2 Ultra/76/192")
+    fleet = VirtualFleet(chip, 2, seed=3)
+    config = StudyConfig(model=simulated.sim_model_info(ref), workload=Workload(512, 128, 1), n_trials=6,
+                         sampler="tpe", seed=1)
+    StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(chip, {}, simulated=True),
+                alive_nodes=partial(fleet.alive_nodes, chip.chip_key)).run()
+    by_name = json.loads(run("best", "--model", "llama2-7b-q4_0", "--db", sqlite_url, "--json").output)
+    by_ref = json.loads(run("best", "--model", ref, "--db", sqlite_url, "--json").output)
+    assert len(by_ref) == 1 and by_ref == by_name and by_ref[0]["chip"] == chip.chip_key
+    trials = json.loads(run("results", "--model", ref, "--db", sqlite_url, "--json").output)
+    assert trials and trials == json.loads(run("results", "--model", "llama2-7b-q4_0", "--db", sqlite_url,
+                                               "--json").output)
+    other = run("best", "--model", "sim://llama3-8b/q4_0", "--db", sqlite_url, ok=False)
+    assert other.exit_code != 0 and "unknown model 'sim://llama3-8b/q4_0'" in other.output

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
@@ -88,6 +89,17 @@ def test_a_slow_node_is_flagged(sqlite_url, fleet_cluster):
     flagged = [r for r in status if r["slow_by"]]
     assert [r["ray_node_id"] for r in flagged] == [fleet_cluster["slow_node"]]
     assert flagged[0]["slow_by"] == pytest.approx(0.3, abs=0.1)
+    assert flagged[0]["flag"] == f"slow {flagged[0]['slow_by']:.0%}"
+    assert any(r["flag"] == "sim" for r in status)
+    assert all(r["flag"] == ("sim" if r["simulated"] else "") for r in status if not r["slow_by"])
+
+
+def test_the_status_flag_names_a_slow_node_before_a_simulated_one():
+    node = fleet.NodeStatus("mac-1", "n1", "apple-m2-ultra-76g", "idle", simulated=True, trials_done=3,
+                            last_seen=None, slow_by=None)
+    assert [replace(node, slow_by=slow, simulated=sim).flag
+            for slow, sim in ((0.234, True), (0.234, False), (None, True), (None, False))] == \
+        ["slow 23%", "slow 23%", "sim", ""]
 
 
 def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, fleet_cluster, request):

@@ -36,7 +36,8 @@ QUANT_BPW = {
     "q4_k_m": 4.89, "q4_k_s": 4.58, "q4_1": 5.0, "q4_0": 4.5, "q3_k_m": 3.91, "q2_k": 3.35,
 }
 SIM_SCHEME = "sim://"  # a named shape with no file behind it: "sim://llama3-8b/q4_k_m"
-SHAPE_DETAILS = ("n_ff", "n_head", "n_head_kv", "rope_theta", "norm_eps", "tied_embeddings")
+SHAPE_DETAILS = ("n_ff", "n_head", "n_head_kv", "rope_theta", "norm_eps", "tied_embeddings", "head_dim", "n_expert",
+                 "n_expert_used", "n_ff_exp", "fa_on_gpu")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ModelInfo:
 
     The shape fields past ``n_vocab`` are read from a GGUF's metadata; a row of the results
     database does not keep them (None), as it keeps only what identifies and sizes the file.
+    The last five (head size, experts, whether the GPU has a flash-attention kernel for the
+    model's attention) are set only by the simulator's own named shapes (Qwen 3, Gemma 2); their
+    defaults describe a dense llama: heads of ``n_embd / n_head``, no experts, a kernel.
     """
 
     sha256: str
@@ -65,6 +69,11 @@ class ModelInfo:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tied_embeddings: bool = False  # output projection shares the token embedding (small models)
+    head_dim: int = 0  # 0: n_embd / n_head (Qwen 3 and Gemma 2 have wider heads)
+    n_expert: int = 0  # mixture of experts: experts per layer (0: dense)
+    n_expert_used: int = 0  # experts one token reads
+    n_ff_exp: int = 0  # feed-forward width of one expert
+    fa_on_gpu: bool = True  # the GPU has a flash-attention kernel for the model's attention
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,9 +103,31 @@ class ModelInfo:
         return QUANT_BPW[self.quant]
 
     @property
+    def hd(self) -> int:
+        """The attention's head size."""
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def attn_params(self) -> int:
+        return 2 * self.n_embd * self.n_head * self.hd + 2 * self.n_embd * self.n_head_kv * self.hd
+
+    @property
+    def expert_params(self) -> int:
+        """Every expert tensor of one layer (0 for a dense model)."""
+        return self.n_expert * 3 * self.n_embd * self.n_ff_exp
+
+    @property
     def layer_params(self) -> int:
-        kv = self.n_embd * self.n_embd * self.n_head_kv // self.n_head
-        return 2 * self.n_embd * self.n_embd + 2 * kv + 3 * self.n_embd * self.n_ff
+        if not self.n_expert:
+            return self.attn_params + 3 * self.n_embd * self.n_ff
+        return self.attn_params + self.expert_params + self.n_embd * self.n_expert
+
+    @property
+    def active_layer_params(self) -> float:
+        """Parameters one token reads in one layer: its experts only."""
+        if not self.n_expert:
+            return self.layer_params
+        return self.layer_params - self.expert_params * (1 - self.n_expert_used / self.n_expert)
 
     @property
     def output_params(self) -> int:
@@ -104,8 +135,13 @@ class ModelInfo:
 
     @property
     def weight_params(self) -> int:
-        """The weights of the llama layout (what the simulator streams), from the shape alone."""
+        """The weights of the layout (what the simulator streams), from the shape alone."""
         return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
+
+    @property
+    def kv_elements(self) -> int:
+        """K (or V) values one position stores in one layer."""
+        return self.n_head_kv * self.hd
 
     def bytes_of(self, params: float) -> float:
         return params * self.bpw / 8
@@ -283,11 +319,13 @@ def _atomic_copy(src: Path, dest: Path) -> None:
 
 
 def arch_shape(n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, n_vocab: int,
-               context_length: int, rope_theta: float) -> ModelInfo:
-    """A llama architecture's shape with no file behind it (``named_model`` gives it an identity)."""
+               context_length: int, rope_theta: float, **extras) -> ModelInfo:
+    """An architecture's shape with no file behind it (``named_as`` gives it an identity); ``extras``
+    are the fields past the llama layout (``tied_embeddings``, ``head_dim``, experts, ...)."""
     shape = ModelInfo(sha256="", path="", name="", architecture="llama", n_layer=n_layer, n_params=0,
                       file_type="F16", size_bytes=0, context_length=context_length, n_embd=n_embd,
-                      n_vocab=n_vocab, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rope_theta=rope_theta)
+                      n_vocab=n_vocab, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rope_theta=rope_theta,
+                      **extras)
     return replace(shape, n_params=shape.weight_params)
 
 
@@ -299,15 +337,19 @@ ARCH_SHAPES = {
 }
 
 
-@cache
-def named_model(name: str, quant: str) -> ModelInfo:
-    """A named shape at a quantisation, as a model with a stable identity (sha256 of its sim:// name);
-    one frozen record per pair (a simulated node asks for it on every trial)."""
-    shape = ARCH_SHAPES[name]
+def named_as(shape: ModelInfo, name: str, quant: str) -> ModelInfo:
+    """A shape at a quantisation, as a model with a stable identity (sha256 of its sim:// name)."""
     canonical = f"{SIM_SCHEME}{name}/{quant}"
     named = replace(shape, sha256=hashlib.sha256(canonical.encode()).hexdigest(), path=canonical,
                     name=f"{name}-{quant}", file_type=quant.upper())
     return replace(named, size_bytes=int(named.weight_bytes))
+
+
+@cache
+def named_model(name: str, quant: str) -> ModelInfo:
+    """A named shape at a quantisation; one frozen record per pair (a simulated node asks for it on
+    every trial)."""
+    return named_as(ARCH_SHAPES[name], name, quant)
 
 # Bytes of one block and values per block, for the types the writer emits (ggml's layouts).
 _BLOCKS = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q6_k": (210, 256)}

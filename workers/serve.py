@@ -339,7 +339,7 @@ class Supervisor:
 
 def _use_token() -> None:
     """Present the fleet's token, as `worker start` does ($FLEETTUNE_RAY_TOKEN or the file
-    $FLEETTUNE_RAY_TOKEN_FILE names: what `service install serve --token` puts in the service's
+    $FLEETTUNE_RAY_TOKEN_FILE names: what `service install serve` puts in the service's
     environment); Ray's own RAY_AUTH_TOKEN, set by the caller, is left alone."""
     from workers import fleet_token
     from workers.join import ray_env

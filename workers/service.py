@@ -5,8 +5,13 @@ macOS: a launchd LaunchAgent (``~/Library/LaunchAgents/io.fleettune.<kind>.plist
 ``plistlib`` and read back to check it), loaded with ``launchctl bootstrap gui/<uid> <plist>``.
 Linux: a systemd user unit (``~/.config/systemd/user/fleettune-<kind>.service``), started with
 ``systemctl --user enable --now``. The worker joins once at login (``ray start`` daemonises); the
-server runs in the foreground and is kept alive. A token goes in the file's environment, so the file
-is written readable by its owner only.
+server runs in the foreground and is kept alive.
+
+The fleet's token never goes on the service's command line (issue 14). A token file
+(``--token-file``, or the one $FLEETTUNE_RAY_TOKEN_FILE names) is named in the service's
+environment (FLEETTUNE_RAY_TOKEN_FILE) and read at each start; a token given in
+$FLEETTUNE_RAY_TOKEN is copied into the environment, so the file is written readable by its owner
+only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers import fleet_token
 from workers.errors import BadInput
 
 KINDS = ("worker", "serve")
@@ -62,14 +68,27 @@ def _system(system: str | None) -> str:
     return system
 
 
+def token_env(token_file: Path | None) -> dict[str, str]:
+    """How the service will find the token: ``token_file`` (checked now: it exists and holds one
+    token), else $FLEETTUNE_RAY_TOKEN's value, else the file $FLEETTUNE_RAY_TOKEN_FILE names; none
+    (a worker on the head's machine reads the data dir's file)."""
+    if token_file is None and not os.environ.get(fleet_token.TOKEN_ENV, "").strip():
+        named = os.environ.get(fleet_token.TOKEN_FILE_ENV)
+        token_file = Path(named) if named else None
+    if token_file is not None:
+        path = Path(token_file).expanduser().resolve()
+        fleet_token.read_token_file(path)
+        return {fleet_token.TOKEN_FILE_ENV: str(path)}
+    token = os.environ.get(fleet_token.TOKEN_ENV, "").strip()
+    return {fleet_token.TOKEN_ENV: token} if token else {}
+
+
 def render(kind: str, *, address: str | None = None, model: str | None = None, port: int = 8080,
-           token: str | None = None, system: str | None = None, home: Path | None = None) -> ServiceFile:
+           token_file: Path | None = None, system: str | None = None, home: Path | None = None) -> ServiceFile:
     """The service file for ``kind`` on ``system`` (default: this one), not yet written."""
     argv = command(kind, address=address, model=model, port=port)
     system, home = _system(system), home or Path.home()
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    if token:
-        env["FLEETTUNE_RAY_TOKEN"] = token
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **token_env(token_file)}
     if system == "darwin":
         label = f"io.fleettune.{kind}"
         logs = home / "Library" / "Logs" / "fleettune"

@@ -48,7 +48,6 @@ interior offload of about 24 of 32 layers beats full offload).
 from __future__ import annotations
 
 import csv
-import hashlib
 import math
 import random
 import re
@@ -66,6 +65,7 @@ from workers.models import (
     SIM_SCHEME,
     ModelInfo,
     arch_shape,
+    named_as,
     named_model,
     read_model_info,
 )
@@ -141,96 +141,17 @@ def all_chips() -> list[Fingerprint]:
     return [parse_chip(f"{b.family}/{b.gpu_cores}") for b in chip_table()]
 
 
-@dataclass(frozen=True)
-class SimShape:
-    """What the simulator needs of a model: its layout (from a ``ModelInfo``), and what the newer
-    dimensions need beyond it: the attention's head size (Qwen 3 and Gemma 2 have heads wider than
-    n_embd / n_head), experts, and whether the GPU has a flash-attention kernel for the model's
-    attention. Named shapes the simulator alone knows carry these in ``SIM_SHAPES``."""
-
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_vocab: int
-    quant: str = "q4_0"
-    tied_embeddings: bool = False
-    head_dim: int = 0  # 0: n_embd / n_head
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-    fa_on_gpu: bool = True
-
-    @property
-    def hd(self) -> int:
-        return self.head_dim or self.n_embd // self.n_head
-
-    @property
-    def attn_params(self) -> float:
-        return 2 * self.n_embd * self.n_head * self.hd + 2 * self.n_embd * self.n_head_kv * self.hd
-
-    @property
-    def expert_params(self) -> float:
-        """Every expert tensor of one layer (0 for a dense model)."""
-        return self.n_expert * 3 * self.n_embd * self.n_ff_exp
-
-    @property
-    def layer_params(self) -> float:
-        if not self.n_expert:
-            return self.attn_params + 3 * self.n_embd * self.n_ff
-        return self.attn_params + self.expert_params + self.n_embd * self.n_expert
-
-    @property
-    def active_layer_params(self) -> float:
-        """Parameters one token reads in one layer: its experts only."""
-        if not self.n_expert:
-            return self.layer_params
-        return self.layer_params - self.expert_params * (1 - self.n_expert_used / self.n_expert)
-
-    @property
-    def output_params(self) -> float:
-        return self.n_vocab * self.n_embd
-
-    @property
-    def n_params(self) -> float:
-        return self.n_layer * self.layer_params + (1 if self.tied_embeddings else 2) * self.output_params
-
-    @property
-    def kv_elements(self) -> int:
-        """K (or V) values one position stores in one layer."""
-        return self.n_head_kv * self.hd
-
-    def bytes_of(self, params: float) -> float:
-        return params * QUANT_BPW[self.quant] / 8
-
-    @property
-    def file_bytes(self) -> float:
-        return self.bytes_of(self.n_params)
-
-
-# Shapes only the simulator knows (for the public rows of the newer dimensions): name -> (the
-# llama layout as ``arch_shape`` takes it, the simulator's extras).
+# Shapes only the simulator knows (for the public rows of the newer dimensions): the llama layout
+# as ``arch_shape`` takes it, and the fields past it.
 SIM_SHAPES = {
-    "qwen3-0.6b": ((28, 1024, 3072, 16, 8, 151936, 40960, 1e6), {"tied_embeddings": True, "head_dim": 128}),
-    "qwen3-30b-a3b": ((48, 2048, 6144, 32, 4, 151936, 40960, 1e6),
-                      {"head_dim": 128, "n_expert": 128, "n_expert_used": 8, "n_ff_exp": 768}),
+    "qwen3-0.6b": arch_shape(28, 1024, 3072, 16, 8, 151936, 40960, 1e6, tied_embeddings=True, head_dim=128),
+    "qwen3-30b-a3b": arch_shape(48, 2048, 6144, 32, 4, 151936, 40960, 1e6,
+                                head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768),
     # logit soft-capping: no Metal flash-attention kernel at the build of the public row
-    "gemma2-2b": ((26, 2304, 9216, 8, 4, 256000, 8192, 10000.0),
-                  {"tied_embeddings": True, "head_dim": 256, "fa_on_gpu": False}),
+    "gemma2-2b": arch_shape(26, 2304, 9216, 8, 4, 256000, 8192, 10000.0,
+                            tied_embeddings=True, head_dim=256, fa_on_gpu=False),
 }
 NAMED_SHAPES = (*(name for name in ARCH_SHAPES if name != "tiny"), *SIM_SHAPES)
-
-
-def as_sim_shape(shape: ModelInfo | SimShape) -> SimShape:
-    """A model as the simulator sees it (a file's or an unknown shape: dense, heads of n_embd / n_head)."""
-    if isinstance(shape, SimShape):
-        return shape
-    extras = SIM_SHAPES.get(shape.shape_name, (None, {}))[1] if is_sim_model(shape.path) else {}
-    return SimShape(n_layer=shape.n_layer, n_embd=shape.n_embd, n_ff=shape.n_ff, n_head=shape.n_head,
-                    n_head_kv=shape.n_head_kv, n_vocab=shape.n_vocab, quant=shape.quant,
-                    tied_embeddings=extras.get("tied_embeddings", shape.tied_embeddings),
-                    **{k: v for k, v in extras.items() if k != "tied_embeddings"})
 
 
 def model_shape(name: str, quant: str) -> ModelInfo:
@@ -242,13 +163,7 @@ def model_shape(name: str, quant: str) -> ModelInfo:
         raise BadInput(f"unknown quantisation {quant!r}; known: {', '.join(QUANT_BPW)}")
     if name not in SIM_SHAPES:
         return named_model(name, quant)
-    layout, extras = SIM_SHAPES[name]
-    canonical = f"{SIM_SCHEME}{name}/{quant}"
-    info = replace(arch_shape(*layout), sha256=hashlib.sha256(canonical.encode()).hexdigest(), path=canonical,
-                   name=f"{name}-{quant}", file_type=quant.upper(),
-                   tied_embeddings=extras.get("tied_embeddings", False))
-    sim = as_sim_shape(info)  # experts and wide heads: the parameters the llama layout leaves out
-    return replace(info, n_params=int(sim.n_params), size_bytes=int(sim.file_bytes))
+    return named_as(SIM_SHAPES[name], name, quant)
 
 
 def shape_from_gguf(path: str) -> ModelInfo:
@@ -389,7 +304,7 @@ def fitted_dims() -> DimConstants:
             continue
         name = r["role"].removeprefix("fit:")
         b = base.get((r["chip"].label, r["model"], r["quant"], r["test"], r["n_tokens"]))
-        shape = as_sim_shape(r["shape"])
+        shape = r["shape"]
         L = shape.n_layer
         if name == "moe_tg_s_per_layer":
             t_pred = 1 / predict_row(r, replace(zero, **values))
@@ -481,7 +396,7 @@ class DimConstants:
     moe_tg_s_per_layer: float = 0.0  # expert routing and gathering per layer per token (tg)
 
 
-def _flash(params: BenchParams, shape: SimShape, on_gpu: bool) -> str:
+def _flash(params: BenchParams, shape: ModelInfo, on_gpu: bool) -> str:
     """What flash attention does for this configuration: "on", "off" or "cpu" (on, but the GPU has
     no kernel for the model's attention, so the op runs on the CPU). "auto" is llama.cpp's: on
     where the device running the layer has the kernel, else off."""
@@ -494,7 +409,7 @@ def _flash(params: BenchParams, shape: SimShape, on_gpu: bool) -> str:
 
 
 def predict(
-    chip: Fingerprint, shape: ModelInfo | SimShape, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
+    chip: Fingerprint, shape: ModelInfo, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
     scenario: str = "calibrated", depth: int = 0, dims: DimConstants | None = None,
 ) -> Prediction:
     """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload),
@@ -502,7 +417,6 @@ def predict(
     sc = SCENARIOS[scenario]
     k = fitted_constants()
     d = dims if dims is not None else fitted_dims()
-    shape = as_sim_shape(shape)
     L = shape.n_layer
     ngl = max(0, min(params.n_gpu_layers, L + 1))
     gpu_layers = min(ngl, L)
@@ -709,7 +623,7 @@ class SimulatedNode:
                                        started_at=started, finished_at=time.time())
         rng = random.Random(f"{self.seed}:{spec.trial_key}:{spec.params}")
         throttle = self.THROTTLE_FACTOR if (fanless(self.chip) and self.heat > self.THROTTLE_AFTER_S) else 1.0
-        load_s = as_sim_shape(shape).file_bytes / 5e9  # load from SSD at ~5 GB/s
+        load_s = shape.weight_bytes / 5e9  # load from SSD at ~5 GB/s
         samples, sim_seconds = [], load_s
         for kind, n_tokens, rate in (("pp", w.n_prompt, pred.pp_tps), ("tg", w.n_gen, pred.tg_tps)):
             if n_tokens <= 0:

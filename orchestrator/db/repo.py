@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -195,31 +195,60 @@ def recommendation_versions(session: Session, study_id: int) -> int:
                           .where(Recommendation.study_id == study_id))
 
 
-def add_study(session: Session, **fields) -> Study:
-    study = Study(**fields)
+@dataclass(frozen=True)
+class NewStudy:
+    """A study to store: its target (chip, model), workload, objective and search settings."""
+
+    name: str
+    chip_id: int
+    model_id: int
+    objective: str
+    n_prompt: int
+    n_gen: int
+    reps: int
+    sampler: str
+    budget: int
+    space: dict
+    simulated: bool
+    depth: int = 0
+    state: str = "running"
+    message: str | None = None
+    lease_owner: str | None = None  # the driver creating it holds it from the start
+    lease_heartbeat: datetime | None = None
+    source_sha256: str | None = None  # an imported study: the file it came from
+
+    def columns(self) -> dict:
+        return {field: getattr(self, field) for field in self.__dataclass_fields__}
+
+
+def add_study(session: Session, new: NewStudy) -> Study:
+    study = Study(**new.columns())
     session.add(study)
     session.flush()
     return study
 
 
 def add_named_study(session: Session, name: str, **fields) -> Study:
-    """A new study called ``name``; BadInput when it exists, also when another driver created it
-    since the caller looked."""
+    """A new study called ``name`` (``fields``: the rest of a ``NewStudy``); BadInput when it exists,
+    also when another driver created it since the caller looked."""
+    new = NewStudy(name=name, **fields)
     try:
         with session.begin_nested():
-            return add_study(session, name=name, **fields)
+            return add_study(session, new)
     except IntegrityError:
         raise BadInput(f"study {name!r} already exists; pass --resume to continue it") from None
 
 
 def add_study_free_name(session: Session, base: str, **fields) -> Study:
-    """A new study named ``base`` (or ``base#2``, ...), safe against another driver creating a study
-    of the same name at the same instant: a name taken meanwhile is retried with the next one."""
+    """A new study named ``base`` (or ``base#2``, ...; ``fields``: the rest of a ``NewStudy``), safe
+    against another driver creating a study of the same name at the same instant: a name taken
+    meanwhile is retried with the next one."""
+    new = NewStudy(name=base, **fields)
     for _ in range(100):
         name = free_study_name(session, base)
         try:
             with session.begin_nested():  # a savepoint: a clash undoes this insert only
-                return add_study(session, name=name, **fields)
+                return add_study(session, replace(new, name=name))
         except IntegrityError:
             continue
     raise BadInput(f"could not find a free study name for {base!r}")
@@ -478,29 +507,11 @@ class NewRecommendation:
 def add_recommendation(session: Session, new: NewRecommendation) -> Recommendation:
     """Store the next version of a recommendation; an unchanged one is the latest version again."""
     fields = new.columns()
-    version = (
-        session.scalar(
-            select(func.max(Recommendation.version)).where(
-                Recommendation.chip_id == fields["chip_id"],
-                Recommendation.model_id == fields["model_id"],
-                Recommendation.objective == fields["objective"],
-                Recommendation.n_prompt == fields["n_prompt"],
-                Recommendation.n_gen == fields["n_gen"],
-                Recommendation.depth == fields["depth"],
-            )
-        )
-        or 0
-    )
+    target = [getattr(Recommendation, key) == fields[key]  # the versions of one recommendation
+              for key in ("chip_id", "model_id", "objective", "n_prompt", "n_gen", "depth")]
+    version = session.scalar(select(func.max(Recommendation.version)).where(*target)) or 0
     if version:
-        latest = session.scalar(select(Recommendation).where(
-            Recommendation.chip_id == fields["chip_id"],
-            Recommendation.model_id == fields["model_id"],
-            Recommendation.objective == fields["objective"],
-            Recommendation.n_prompt == fields["n_prompt"],
-            Recommendation.n_gen == fields["n_gen"],
-            Recommendation.depth == fields["depth"],
-            Recommendation.version == version,
-        ))
+        latest = session.scalar(select(Recommendation).where(*target, Recommendation.version == version))
         if latest is not None and _same_recommendation(latest, fields):
             return latest  # nothing changed: a version counts only real changes
     rec = Recommendation(version=version + 1, **fields)
