@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import optuna
 import pytest
 from optuna.samplers import TPESampler
@@ -101,3 +102,30 @@ def test_frozen_trials_keep_their_private_id():
     study.tell(study.ask(), 1.0)
     assert isinstance(getattr(study.trials[0], "_trial_id", None), int), (
         f"{VERSION}: FrozenTrial._trial_id is gone (HeadStorage maps trials by it)")
+
+
+def test_parzen_internals_read_by_the_table_scorer_exist():
+    """orchestrator/tpe_scoring.py reads a fitted estimator's mixture and its batched distributions,
+    and calls _truncnorm._log_gauss_mass, as Optuna's own log_pdf does."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+    from optuna.samplers._tpe import _truncnorm
+    from optuna.samplers._tpe.parzen_estimator import _ParzenEstimator, _ParzenEstimatorParameters
+    from optuna.samplers._tpe.sampler import default_weights
+
+    from orchestrator import tpe_scoring
+
+    space = {"n": IntDistribution(1, 16, log=True), "c": CategoricalDistribution(["a", "b"])}
+    params = _ParzenEstimatorParameters(1.0, True, False, default_weights, True)
+    estimator = _ParzenEstimator({"n": np.array([2.0, 8.0]), "c": np.array([0, 1])}, space, params)
+    for name in tpe_scoring.PARZEN_FIELDS["estimator"]:
+        assert hasattr(estimator, name), f"{VERSION}: _ParzenEstimator has no {name} (tpe_scoring reads it)"
+    mixture = estimator._mixture_distribution
+    for name in tpe_scoring.PARZEN_FIELDS["mixture"]:
+        assert hasattr(mixture, name), f"{VERSION}: the Parzen mixture has no {name} (tpe_scoring reads it)"
+    discrete, categorical = mixture.distributions
+    for name in tpe_scoring.PARZEN_FIELDS["discrete"]:
+        assert hasattr(discrete, name), f"{VERSION}: {type(discrete).__name__} has no {name}"
+    for name in tpe_scoring.PARZEN_FIELDS["categorical"]:
+        assert hasattr(categorical, name), f"{VERSION}: {type(categorical).__name__} has no {name}"
+    for name in tpe_scoring.TRUNCNORM_CALLS:
+        _expect_call(f"optuna.samplers._tpe._truncnorm.{name}", getattr(_truncnorm, name), ("a", "b"))
