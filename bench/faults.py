@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +190,7 @@ class Harness:
         self.rng = random.Random(seed)
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.tally = Tally()
+        self.on_audit: Callable[[], None] = lambda: None  # e.g. write the report so far
 
     def start(self, study: str | None, *, resume: bool = False, chips: int | None = None,
               extra_env: dict | None = None, trial_s: float | None = None) -> subprocess.Popen:
@@ -276,6 +278,7 @@ class Harness:
                     self.tally.problems += [f"{kind} {name}: {p}" for p in report.problems or [report.state]]
         finally:
             db.dispose()
+        self.on_audit()
 
     def names(self, study: str, chips: int | None = None) -> list[str]:
         n = chips or self.chips
@@ -502,6 +505,8 @@ def run(args) -> Tally:
 
         open_database(url).dispose()  # the schema, before drivers race to create it
         h = Harness(url, seed=args.seed, env=env, trials=args.trials)
+        if args.progress:  # after every audited study too, so a run cut mid-group still reports
+            h.on_audit = lambda: Path(args.progress).write_text(report(h.tally, args.db))
 
         def db_faults() -> None:
             for i in range(args.db_faults):
@@ -516,8 +521,8 @@ def run(args) -> Tally:
                                else "PostgreSQL restart")
 
         groups = [lambda: h.kills(args.kills), lambda: h.signals(args.signals),
-                  lambda: h.signals(max(args.signals // 3, 1), chips=3), lambda: h.two_drivers(args.races),
-                  lambda: h.same_name(args.races), db_faults]
+                  lambda: h.signals(-(-args.signals // 3), chips=3),  # a third, none when 0
+                  lambda: h.two_drivers(args.races), lambda: h.same_name(args.races), db_faults]
         if args.node_losses:
             groups.append(lambda: node_losses(h, args.node_losses))
         for group in groups:
