@@ -295,6 +295,37 @@ def test_a_configuration_lost_on_too_many_nodes_is_failed_not_retried_forever(sq
     audit(run)
 
 
+class FailsFullOffload(LosesNodes):
+    """The full-offload configuration's trials fail with a given kind and message."""
+
+    def __init__(self, n_nodes: int, kind, message: str) -> None:
+        super().__init__(n_nodes)
+        self.kind, self.message = kind, message
+
+    def result(self, ref, trial_key):
+        from workers.trial import TrialResult
+
+        full_offload = self.running[ref][0].params == self.full
+        result = VirtualFleet.result(self, ref, trial_key)
+        return TrialResult.failure(trial_key, self.message, self.kind) if full_offload else result
+
+
+@pytest.mark.parametrize("kind,message,measured", [
+    ("NODE_LOST", "the raylet on 10.0.0.7 died", studies.MAX_NODE_LOSSES),  # a lost node, whatever it says
+    ("CRASH", "llama.cpp crashed: node lost its GPU", 1),  # says "node lost", is not one: not again
+])
+def test_a_lost_node_is_known_by_its_kind_not_its_message(sqlite_url, kind, message, measured):
+    from workers.trial import FailureKind
+
+    run = runner(sqlite_url, FailsFullOffload(4, FailureKind[kind], message), name="kinds", n_trials=8,
+                 sampler="random")
+    outcome = run.run()
+    failed = [r for r in stored(run) if r.error == message]
+    assert len(failed) == measured and {r.state for r in failed} == {"failed"}
+    assert outcome.n_complete == 8
+    audit(run)
+
+
 @pytest.mark.parametrize("bad", [
     {"timeout_s": float("nan")}, {"timeout_s": float("inf")}, {"timeout_s": 0}, {"timeout_s": -1},
     {"cooldown_s": -0.5}, {"cooldown_s": float("nan")}, {"reps": 0}, {"n_trials": 0}, {"confirm_top": -1},
