@@ -267,6 +267,35 @@ def test_resuming_a_finished_study_changes_nothing(db_url):
     assert more.run().n_complete == 14  # a larger budget continues it
 
 
+def test_a_second_driver_is_refused_and_a_stale_lease_is_taken_over_and_fences_the_first(db_url):
+    """Two drivers on one study once both ran (42 complete rows for a budget of 40, Optuna trials
+    left RUNNING): the lease refuses the second while the first's heartbeat is fresh, lets a
+    driver take over a silent holder on another host, and the old holder then writes nothing."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from orchestrator import lease
+    from orchestrator.db.models import Study
+    from workers.errors import BadInput
+
+    first = runner(db_url, instant_fleet(4), name="held", n_trials=10)
+    first.prepare()
+    second = runner(db_url, instant_fleet(4), name="held", resume=True, n_trials=None)
+    with pytest.raises(BadInput, match="another driver"):
+        second.prepare()
+    with first.db.session() as s:  # the first's host went silent: its heartbeat is past the TTL
+        s.execute(update(Study).where(Study.id == first.study_id).values(
+            lease_owner="elsewhere:1:0000", lease_heartbeat=repo.utcnow() - timedelta(seconds=lease.LEASE_TTL_S + 5)))
+    third = runner(db_url, instant_fleet(4), name="held", resume=True, n_trials=None)
+    assert third.run().n_complete == 10
+    first.owner = "elsewhere:1:0000"  # the silent holder comes back: fenced, it writes nothing
+    with pytest.raises(StudyPaused, match="taken over"):
+        first.run()
+    report = audit(third)
+    assert (report.state, report.complete) == ("complete", 10)
+
+
 class LosesNodes(VirtualFleet):
     """Every trial of the full-offload configuration (the first design's first) loses its node."""
 
