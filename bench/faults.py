@@ -168,6 +168,8 @@ class Tally:
     pause_s: list[float] = field(default_factory=list)
     paused: int = 0  # signals that paused a study (the rest came after it had ended)
     harness_errors: list[str] = field(default_factory=list)  # a fault group that could not run
+    node_lost_trials: int = 0  # trials failed "node lost" by the node removals
+    node_pauses: int = 0  # studies paused with no node of their chip left
 
     def add(self, other: Tally) -> None:
         self.faults += other.faults
@@ -179,6 +181,8 @@ class Tally:
         self.phases += other.phases
         self.pause_s += other.pause_s
         self.paused += other.paused
+        self.node_lost_trials += other.node_lost_trials
+        self.node_pauses += other.node_pauses
 
 
 class Harness:
@@ -480,12 +484,16 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                         removed += 1
                         h.tally.faults["Ray node removed mid-study"] += 1
                 thread.join(timeout=300)
+                h.tally.node_pauses += "paused" in outcome
                 if attempt == 1:
                     for node in nodes:
                         cluster.remove_node(node)
                 if "done" in outcome:
                     break
             h.audit([study], "Ray node removed mid-study")
+            h.tally.node_lost_trials += len(h._rows(
+                "select t.id from ft_trials t join ft_studies s on s.id = t.study_id "
+                "where s.name like :n and t.failure_kind = 'node lost'", study))
     finally:
         db.dispose()
         ray.shutdown()
@@ -554,6 +562,9 @@ def report(tally: Tally, backend: str) -> str:
         ordered = sorted(tally.pause_s)
         lines.append(f"signals: {tally.paused} of {len(ordered)} paused a running study (the rest came as it "
                      f"ended); signal to exit: median {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
+    if tally.faults["Ray node removed mid-study"]:
+        lines.append(f"node removals: {tally.node_lost_trials} trials failed \"node lost\" and ran again; "
+                     f"{tally.node_pauses} studies paused with no node left, then resumed on new nodes")
     for problem in tally.problems:
         lines.append(f"PROBLEM: {problem}")
     for error in tally.harness_errors:
