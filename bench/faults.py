@@ -213,7 +213,9 @@ class Harness:
         """The driver's exit code and its last line (stderr; stdout when it succeeded)."""
         out, err = proc.communicate(timeout=timeout)
         text = out if proc.returncode == EXIT_OK else err
-        return proc.returncode, (text.strip().splitlines() or [""])[-1]
+        # a traceback's last line is SQLAlchemy's "(Background on this error at: ...)": the one above says it
+        lines = [line for line in text.strip().splitlines() if not line.startswith("(Background on this error")]
+        return proc.returncode, (lines or [""])[-1][:300]
 
     def _rows(self, sql: str, study: str) -> list:
         """Rows of a query about the study (and its per-chip siblings); none before the schema."""

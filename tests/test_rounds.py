@@ -296,6 +296,38 @@ def test_a_second_driver_is_refused_and_a_stale_lease_is_taken_over_and_fences_t
     assert (report.state, report.complete) == ("complete", 10)
 
 
+def test_two_studies_recommending_at_once_both_store_their_version(pg_url):
+    """Two studies of one chip, model and workload (two new studies started at once under one
+    default name) store a recommendation at the same instant: each reads the latest version, the
+    other commits that version + 1 first. PostgreSQL refused the second insert (IntegrityError on
+    the version's unique key) and the driver died with the study left running; the round is
+    retried and stores the next version."""
+    from dataclasses import replace
+
+    from sqlalchemy import event
+
+    first = runner(pg_url, instant_fleet(4), name="first", n_trials=6)
+    other = open_database(pg_url)
+    raced = []
+
+    def race(conn, cursor, statement, parameters, context, executemany) -> None:
+        if raced or "max(ft_recommendations.version)" not in statement:
+            return
+        raced.append(statement)  # the first has read the latest version: the other commits one now
+        draft = first._draft()
+        with other.session() as s:
+            study = repo.get_study(s, "first")
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, "tg", 512, 128,
+                                         replace(draft, expected_tps=draft.expected_tps + 1), depth=0)
+            assert repo.add_recommendation(s, new).version == 1
+
+    event.listen(first.db.engine, "after_cursor_execute", race)
+    outcome = first.run()
+    assert raced and outcome.state == "complete" and outcome.recommendation_version == 2
+    audit(first, max_versions=2)
+    other.dispose()
+
+
 class LosesNodes(VirtualFleet):
     """Every trial of the full-offload configuration (the first design's first) loses its node."""
 
