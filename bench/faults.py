@@ -443,6 +443,7 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
 
     from orchestrator import dispatch
     from orchestrator.db import open_database
+    from orchestrator.fleet import node_states
     from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
     from workers import simulated
     from workers.join import plan_join
@@ -482,6 +483,10 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                 if attempt == 0:
                     for node in nodes:  # each removed while the study runs on it
                         time.sleep(h.rng.uniform(0.3, 1.2))  # a random instant, not a synchronisation
+                        busy_by = time.monotonic() + 3.0  # then, if it can be had, while it runs a trial
+                        while thread.is_alive() and time.monotonic() < busy_by and \
+                                node_states().get(node.node_id, ("",))[0] != "busy":
+                            time.sleep(0.02)  # polling Ray's view of the node's bench slot
                         cluster.remove_node(node, allow_graceful=False)
                         removed += 1
                         h.tally.faults["Ray node removed mid-study"] += 1
