@@ -10,8 +10,9 @@ budget and audited: 0 results lost, 0 duplicated, every invariant held.
 PostgreSQL faults use a private server (``initdb`` + ``pg_ctl`` in a temporary directory on its
 own port); the shared server on 5432 is never touched.
 
-    python bench/faults.py run --db sqlite --kills 40 --signals 20 --db-faults 6 --races 6
-    python bench/faults.py run --db postgres --kills 40 --signals 20 --db-faults 6 --races 6
+    python bench/faults.py run --db sqlite --kills 50 --signals 24 --races 6 --db-faults 6 --node-losses 9
+    python bench/faults.py run --db postgres --kills 50 --signals 24 --races 6 --db-faults 6 --node-losses 9
+    (a group's count 0 skips it, so a long run can be split; --progress FILE keeps the report so far)
     python bench/faults.py drive --db URL [--study NAME] [--trials 30] [--nodes 4] [--resume]
 """
 
