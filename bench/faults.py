@@ -10,8 +10,9 @@ budget and audited: 0 results lost, 0 duplicated, every invariant held.
 PostgreSQL faults use a private server (``initdb`` + ``pg_ctl`` in a temporary directory on its
 own port); the shared server on 5432 is never touched.
 
-    python bench/faults.py run --db sqlite --kills 40 --signals 20 --db-faults 6 --races 6
-    python bench/faults.py run --db postgres --kills 40 --signals 20 --db-faults 6 --races 6
+    python bench/faults.py run --db sqlite --kills 50 --signals 24 --races 6 --db-faults 6 --node-losses 9
+    python bench/faults.py run --db postgres --kills 50 --signals 24 --races 6 --db-faults 6 --node-losses 9
+    (a group's count 0 skips it, so a long run can be split; --progress FILE keeps the report so far)
     python bench/faults.py drive --db URL [--study NAME] [--trials 30] [--nodes 4] [--resume]
 """
 
@@ -31,6 +32,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +169,8 @@ class Tally:
     pause_s: list[float] = field(default_factory=list)
     paused: int = 0  # signals that paused a study (the rest came after it had ended)
     harness_errors: list[str] = field(default_factory=list)  # a fault group that could not run
+    node_lost_trials: int = 0  # trials failed "node lost" by the node removals
+    node_pauses: int = 0  # studies paused with no node of their chip left
 
     def add(self, other: Tally) -> None:
         self.faults += other.faults
@@ -178,6 +182,8 @@ class Tally:
         self.phases += other.phases
         self.pause_s += other.pause_s
         self.paused += other.paused
+        self.node_lost_trials += other.node_lost_trials
+        self.node_pauses += other.node_pauses
 
 
 class Harness:
@@ -189,6 +195,7 @@ class Harness:
         self.rng = random.Random(seed)
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.tally = Tally()
+        self.on_audit: Callable[[], None] = lambda: None  # e.g. write the report so far
 
     def start(self, study: str | None, *, resume: bool = False, chips: int | None = None,
               extra_env: dict | None = None, trial_s: float | None = None) -> subprocess.Popen:
@@ -207,7 +214,9 @@ class Harness:
         """The driver's exit code and its last line (stderr; stdout when it succeeded)."""
         out, err = proc.communicate(timeout=timeout)
         text = out if proc.returncode == EXIT_OK else err
-        return proc.returncode, (text.strip().splitlines() or [""])[-1]
+        # a traceback's last line is SQLAlchemy's "(Background on this error at: ...)": the one above says it
+        lines = [line for line in text.strip().splitlines() if not line.startswith("(Background on this error")]
+        return proc.returncode, (lines or [""])[-1][:300]
 
     def _rows(self, sql: str, study: str) -> list:
         """Rows of a query about the study (and its per-chip siblings); none before the schema."""
@@ -276,6 +285,7 @@ class Harness:
                     self.tally.problems += [f"{kind} {name}: {p}" for p in report.problems or [report.state]]
         finally:
             db.dispose()
+        self.on_audit()
 
     def names(self, study: str, chips: int | None = None) -> list[str]:
         n = chips or self.chips
@@ -305,9 +315,11 @@ class Harness:
                         if row_id > start_id and self.PHASES.index(phase) >= self.PHASES.index(target):
                             break
                         time.sleep(0.01)  # polling the database for the phase
-                    deadline = time.monotonic() + self.rng.uniform(0.0, 0.2)
+                    # a random instant inside the phase; the baselines are one short round, so
+                    # a kill aimed at them lands as soon as their rows are seen
+                    deadline = time.monotonic() + (0.0 if target == "baseline" else self.rng.uniform(0.0, 0.2))
                     while proc.poll() is None and time.monotonic() < deadline:
-                        time.sleep(0.005)  # a random instant inside the phase
+                        time.sleep(0.005)
                 if proc.poll() is not None:  # finished before the instant: no fault injected
                     self.finish(proc)
                     continue
@@ -369,6 +381,7 @@ class Harness:
     def same_name(self, count: int) -> None:
         """Two new studies with the same default name at once: both run, under distinct names."""
         for _ in range(count):
+            before = {r[0] for r in self._rows("select name from ft_studies where name like :n", "")}
             procs = [self.start(None) for _ in range(2)]
             names = []
             for proc in procs:
@@ -380,7 +393,9 @@ class Harness:
             self.tally.faults["two new studies, one name"] += 1
             if len(set(names)) != len(names):
                 self.tally.problems.append(f"two new studies share a name: {names}")
-            self.audit(sorted(set(names)), "two new studies, one name")
+            # every study the two created, a crashed driver's too (it is left running: not held)
+            created = {r[0] for r in self._rows("select name from ft_studies where name like :n", "")} - before
+            self.audit(sorted(created | set(names)), "two new studies, one name")
 
 
 def sqlite_lock(h: Harness, hold_s: float, kind: str) -> int:
@@ -432,6 +447,7 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
 
     from orchestrator import dispatch
     from orchestrator.db import open_database
+    from orchestrator.fleet import node_states
     from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
     from workers import simulated
     from workers.join import plan_join
@@ -471,16 +487,24 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                 if attempt == 0:
                     for node in nodes:  # each removed while the study runs on it
                         time.sleep(h.rng.uniform(0.3, 1.2))  # a random instant, not a synchronisation
+                        busy_by = time.monotonic() + 3.0  # then, if it can be had, while it runs a trial
+                        while thread.is_alive() and time.monotonic() < busy_by and \
+                                node_states().get(node.node_id, ("",))[0] != "busy":
+                            time.sleep(0.02)  # polling Ray's view of the node's bench slot
                         cluster.remove_node(node, allow_graceful=False)
                         removed += 1
                         h.tally.faults["Ray node removed mid-study"] += 1
                 thread.join(timeout=300)
+                h.tally.node_pauses += "paused" in outcome
                 if attempt == 1:
                     for node in nodes:
                         cluster.remove_node(node)
                 if "done" in outcome:
                     break
             h.audit([study], "Ray node removed mid-study")
+            h.tally.node_lost_trials += len(h._rows(
+                "select t.id from ft_trials t join ft_studies s on s.id = t.study_id "
+                "where s.name like :n and t.failure_kind = 'node lost'", study))
     finally:
         db.dispose()
         ray.shutdown()
@@ -502,6 +526,8 @@ def run(args) -> Tally:
 
         open_database(url).dispose()  # the schema, before drivers race to create it
         h = Harness(url, seed=args.seed, env=env, trials=args.trials)
+        if args.progress:  # after every audited study too, so a run cut mid-group still reports
+            h.on_audit = lambda: Path(args.progress).write_text(report(h.tally, args.db))
 
         def db_faults() -> None:
             for i in range(args.db_faults):
@@ -516,8 +542,8 @@ def run(args) -> Tally:
                                else "PostgreSQL restart")
 
         groups = [lambda: h.kills(args.kills), lambda: h.signals(args.signals),
-                  lambda: h.signals(max(args.signals // 3, 1), chips=3), lambda: h.two_drivers(args.races),
-                  lambda: h.same_name(args.races), db_faults]
+                  lambda: h.signals(-(-args.signals // 3), chips=3),  # a third, none when 0
+                  lambda: h.two_drivers(args.races), lambda: h.same_name(args.races), db_faults]
         if args.node_losses:
             groups.append(lambda: node_losses(h, args.node_losses))
         for group in groups:
@@ -547,6 +573,9 @@ def report(tally: Tally, backend: str) -> str:
         ordered = sorted(tally.pause_s)
         lines.append(f"signals: {tally.paused} of {len(ordered)} paused a running study (the rest came as it "
                      f"ended); signal to exit: median {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
+    if tally.faults["Ray node removed mid-study"]:
+        lines.append(f"node removals: {tally.node_lost_trials} trials failed \"node lost\" and ran again; "
+                     f"{tally.node_pauses} studies paused with no node left, then resumed on new nodes")
     for problem in tally.problems:
         lines.append(f"PROBLEM: {problem}")
     for error in tally.harness_errors:

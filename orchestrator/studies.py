@@ -611,10 +611,11 @@ class StudyRunner:
         return StudyOutcome(self.name, state, complete, failed, draft, version, self.baseline,
                             dict(self.baselines))
 
-    def _transaction(self, work: Callable[[Any], Any]) -> Any:
+    def _transaction(self, work: Callable[[Any], Any], *, conflicts: bool = False) -> Any:
         """``work(session)`` in one transaction, retried while the database is away, that also
         proves this driver still holds the study (the lease is the fence: a driver that lost it
-        writes nothing more)."""
+        writes nothing more). ``conflicts``: also retried when another driver inserted the same
+        unique row first (the next attempt reads it)."""
         def attempt():
             with self.db.session() as s:
                 if not repo.renew_lease(s, self.study_id, self.owner):
@@ -623,7 +624,7 @@ class StudyRunner:
             self._beat_at = time.monotonic()
             return out
 
-        return retrying(attempt, should_stop=lambda: bool(self.stop))
+        return retrying(attempt, should_stop=lambda: bool(self.stop), conflicts=conflicts)
 
     def _pause(self, message: str) -> None:
         """Record the pause and let go of the study; best effort when the database is away."""
@@ -845,7 +846,9 @@ class StudyRunner:
                                          w.n_prompt, w.n_gen, draft, depth=w.depth)
             return repo.add_recommendation(s, new).version
 
-        return draft, self._transaction(work)
+        # another study of this chip, model and workload may store the same next version at the
+        # same instant (PostgreSQL refuses the second: a unique key); the retry reads its version
+        return draft, self._transaction(work, conflicts=True)
 
     def _latest_recommendation(self) -> tuple[learn.RecommendationDraft | None, int | None]:
         """A finished study's recommendation as it stands, written by no one."""

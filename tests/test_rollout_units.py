@@ -149,3 +149,47 @@ def test_a_pp_sample_is_two_prompt_timings_and_the_fastest_counts():
                RequestResult(True, ttft_s=0.3, total_s=0.4, n_gen=1, n_prompt=64)]
     out = summarise(results, 64)
     assert out["best_pp_tps"] == pytest.approx(320) and out["best_tg_tps"] is None
+
+
+class OneResult:
+    """A dispatcher whose every trial returns the same pp and tg samples at once."""
+
+    def __init__(self, samples: list) -> None:
+        self.samples, self.specs = samples, []
+
+    def submit(self, spec, chip_key, node_id=None):
+        self.specs.append(spec)
+        return len(self.specs)
+
+    def wait(self, refs, timeout_s):
+        return list(refs)
+
+    def result(self, ref, trial_key):
+        from workers.trial import TrialResult
+
+        return TrialResult(trial_key=trial_key, ok=True, samples=list(self.samples))
+
+    def cancel(self, ref):
+        pass
+
+
+@pytest.mark.parametrize("objective,expected", [
+    ("tg", 32.0),  # 128 tokens in 4 s
+    ("pp", 1024.0),  # 512 tokens in 0.5 s
+    ("e2e", 640 / 4.5),  # the whole request: 512 + 128 tokens in 0.5 + 4 s, as an effective rate
+])
+def test_verification_measures_the_recommendations_own_objective_and_workload(objective, expected):
+    """An e2e recommendation's expected value is an effective end-to-end rate: verifying it by
+    its tg rate (as rollouts once did) compares two different figures."""
+    from orchestrator.rollout import Applier
+    from workers import simulated
+    from workers.trial import Sample
+
+    fake = OneResult([Sample("pp", 0, 512, 0.5), Sample("tg", 0, 128, 4.0)])
+    applier = Applier()
+    applier.dispatcher = fake
+    rec = {**payload(1), "objective": objective, "workload": {"n_prompt": 512, "n_gen": 128}}
+    measured = applier.verify(NODE, "M2 Ultra/76", simulated.sim_model_info("sim://llama2-7b/q4_0"), rec)
+    assert measured == pytest.approx(expected)
+    spec = fake.specs[0]
+    assert (spec.workload.n_prompt, spec.workload.n_gen) == (512, 128)

@@ -267,6 +267,67 @@ def test_resuming_a_finished_study_changes_nothing(db_url):
     assert more.run().n_complete == 14  # a larger budget continues it
 
 
+def test_a_second_driver_is_refused_and_a_stale_lease_is_taken_over_and_fences_the_first(db_url):
+    """Two drivers on one study once both ran (42 complete rows for a budget of 40, Optuna trials
+    left RUNNING): the lease refuses the second while the first's heartbeat is fresh, lets a
+    driver take over a silent holder on another host, and the old holder then writes nothing."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from orchestrator import lease
+    from orchestrator.db.models import Study
+    from workers.errors import BadInput
+
+    first = runner(db_url, instant_fleet(4), name="held", n_trials=10)
+    first.prepare()
+    second = runner(db_url, instant_fleet(4), name="held", resume=True, n_trials=None)
+    with pytest.raises(BadInput, match="another driver"):
+        second.prepare()
+    with first.db.session() as s:  # the first's host went silent: its heartbeat is past the TTL
+        s.execute(update(Study).where(Study.id == first.study_id).values(
+            lease_owner="elsewhere:1:0000", lease_heartbeat=repo.utcnow() - timedelta(seconds=lease.LEASE_TTL_S + 5)))
+    third = runner(db_url, instant_fleet(4), name="held", resume=True, n_trials=None)
+    assert third.run().n_complete == 10
+    first.owner = "elsewhere:1:0000"  # the silent holder comes back: fenced, it writes nothing
+    with pytest.raises(StudyPaused, match="taken over"):
+        first.run()
+    report = audit(third)
+    assert (report.state, report.complete) == ("complete", 10)
+
+
+def test_two_studies_recommending_at_once_both_store_their_version(pg_url):
+    """Two studies of one chip, model and workload (two new studies started at once under one
+    default name) store a recommendation at the same instant: each reads the latest version, the
+    other commits that version + 1 first. PostgreSQL refused the second insert (IntegrityError on
+    the version's unique key) and the driver died with the study left running; the round is
+    retried and stores the next version."""
+    from dataclasses import replace
+
+    from sqlalchemy import event
+
+    first = runner(pg_url, instant_fleet(4), name="first", n_trials=6)
+    other = open_database(pg_url)
+    raced = []
+
+    def race(conn, cursor, statement, parameters, context, executemany) -> None:
+        if raced or "max(ft_recommendations.version)" not in statement:
+            return
+        raced.append(statement)  # the first has read the latest version: the other commits one now
+        draft = first._draft()
+        with other.session() as s:
+            study = repo.get_study(s, "first")
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, "tg", 512, 128,
+                                         replace(draft, expected_tps=draft.expected_tps + 1), depth=0)
+            assert repo.add_recommendation(s, new).version == 1
+
+    event.listen(first.db.engine, "after_cursor_execute", race)
+    outcome = first.run()
+    assert raced and outcome.state == "complete" and outcome.recommendation_version == 2
+    audit(first, max_versions=2)
+    other.dispose()
+
+
 class LosesNodes(VirtualFleet):
     """Every trial of the full-offload configuration (the first design's first) loses its node."""
 
@@ -291,6 +352,37 @@ def test_a_configuration_lost_on_too_many_nodes_is_failed_not_retried_forever(sq
     rows = stored(run)
     lost = [r for r in rows if r.failure_kind == "node lost"]
     assert len(lost) == studies.MAX_NODE_LOSSES  # measured again twice, then given up
+    assert outcome.n_complete == 8
+    audit(run)
+
+
+class FailsFullOffload(LosesNodes):
+    """The full-offload configuration's trials fail with a given kind and message."""
+
+    def __init__(self, n_nodes: int, kind, message: str) -> None:
+        super().__init__(n_nodes)
+        self.kind, self.message = kind, message
+
+    def result(self, ref, trial_key):
+        from workers.trial import TrialResult
+
+        full_offload = self.running[ref][0].params == self.full
+        result = VirtualFleet.result(self, ref, trial_key)
+        return TrialResult.failure(trial_key, self.message, self.kind) if full_offload else result
+
+
+@pytest.mark.parametrize("kind,message,measured", [
+    ("NODE_LOST", "the raylet on 10.0.0.7 died", studies.MAX_NODE_LOSSES),  # a lost node, whatever it says
+    ("CRASH", "llama.cpp crashed: node lost its GPU", 1),  # says "node lost", is not one: not again
+])
+def test_a_lost_node_is_known_by_its_kind_not_its_message(sqlite_url, kind, message, measured):
+    from workers.trial import FailureKind
+
+    run = runner(sqlite_url, FailsFullOffload(4, FailureKind[kind], message), name="kinds", n_trials=8,
+                 sampler="random")
+    outcome = run.run()
+    failed = [r for r in stored(run) if r.error == message]
+    assert len(failed) == measured and {r.state for r in failed} == {"failed"}
     assert outcome.n_complete == 8
     audit(run)
 
