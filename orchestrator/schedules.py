@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from orchestrator import learn, transfer
 from orchestrator.db import Database, repo
+from orchestrator.db.session import retrying
 from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
@@ -94,27 +95,37 @@ def warm_start(db: Database, chip_key: str, model: ModelInfo, objective: str, si
 
 def learn_all(db: Database, model: ModelInfo | None = None) -> list[dict]:
     """Recompute every completed study's recommendation from its evidence; a new version is stored
-    only where the answer changed. Returns one row per study."""
-    rows = []
+    only where the answer changed. Returns one row per study.
+
+    Each study is its own transaction, retried when a study finishing at the same moment stored
+    the same next version first (the unique key refuses the second insert; the retry reads it)."""
     with db.session() as s:
-        studies = repo.completed_studies(s, model.sha256 if model else None)
-        for study in studies:
-            records = study_records(s, study.id)
-            draft = learn.recommend(records, study.objective, study.n_prompt, study.n_gen)
-            if draft is None:
-                continue
-            latest = repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
-            latest = [r for r in latest if r.chip_id == study.chip_id and r.n_prompt == study.n_prompt
-                      and r.n_gen == study.n_gen and r.depth == study.depth and r.simulated == draft.simulated]
-            unchanged = latest and latest[0].params == draft.params.to_dict() and \
-                abs(latest[0].expected_tps - draft.expected_tps) <= 1e-9 * max(draft.expected_tps, 1)
-            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, study.objective,
-                                         study.n_prompt, study.n_gen, draft, source="learn", depth=study.depth)
-            version = latest[0].version if unchanged else repo.add_recommendation(s, new).version
-            rows.append({"study": study.name, "chip": study.chip.key, "objective": study.objective,
-                         "flags": draft.params.llama_cpp_flags(), "expected_tps": draft.expected_tps,
-                         "version": version, "changed": not unchanged, "simulated": draft.simulated})
+        names = [study.name for study in repo.completed_studies(s, model.sha256 if model else None)]
+    rows = []
+    for name in names:
+        row = retrying(lambda n=name: _learn_one(db, n), conflicts=True)
+        if row is not None:
+            rows.append(row)
     return rows
+
+
+def _learn_one(db: Database, name: str) -> dict | None:
+    with db.session() as s:
+        study = repo.get_study(s, name)
+        draft = learn.recommend(study_records(s, study.id), study.objective, study.n_prompt, study.n_gen)
+        if draft is None:
+            return None
+        latest = repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
+        latest = [r for r in latest if r.chip_id == study.chip_id and r.n_prompt == study.n_prompt
+                  and r.n_gen == study.n_gen and r.depth == study.depth and r.simulated == draft.simulated]
+        unchanged = latest and latest[0].params == draft.params.to_dict() and \
+            abs(latest[0].expected_tps - draft.expected_tps) <= 1e-9 * max(draft.expected_tps, 1)
+        new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, study.objective,
+                                     study.n_prompt, study.n_gen, draft, source="learn", depth=study.depth)
+        version = latest[0].version if unchanged else repo.add_recommendation(s, new).version
+        return {"study": study.name, "chip": study.chip.key, "objective": study.objective,
+                "flags": draft.params.llama_cpp_flags(), "expected_tps": draft.expected_tps,
+                "version": version, "changed": not unchanged, "simulated": draft.simulated}
 
 
 def study_records(session, study_id: int) -> list[learn.TrialRecord]:

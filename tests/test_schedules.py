@@ -144,3 +144,47 @@ def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_c
         assert (first.version, typed.version) == (1, 2)
         columns = [c.key for c in typed.__table__.columns if c.key not in ("id", "version", "source", "created_at")]
         assert {c: getattr(typed, c) for c in columns} == {c: getattr(first, c) for c in columns}
+
+
+@pytest.mark.postgres
+def test_schedule_learn_retries_when_a_study_stores_the_same_version_first(pg_url):
+    """`schedule learn` and a study finishing at that moment (same chip, model and workload) both
+    read the latest version and insert the next: PostgreSQL refuses the second insert on the
+    version's unique key. learn's transaction is retried, reads the other version, stores its own."""
+    from dataclasses import replace
+    from functools import partial
+
+    from sqlalchemy import event, update
+
+    from orchestrator import learn
+    from orchestrator.db.models import Recommendation
+    from orchestrator.studies import ChipTarget, StudyRunner
+    from orchestrator.virtual import VirtualFleet
+
+    chip = simulated.parse_chip("M1 Pro/16")
+    fleet = VirtualFleet(chip, 4, seed=2)
+    cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=8, seed=3, confirm_top=1,
+                      workload=Workload(n_prompt=64, n_gen=16, reps=1))
+    db = open_database(pg_url)
+    StudyRunner(db, fleet, cfg, ChipTarget(chip, {}, simulated=True),
+                alive_nodes=partial(fleet.alive_nodes, chip.chip_key)).run()
+    with db.session() as s:  # the stored answer differs from the evidence's: learn stores a version
+        s.execute(update(Recommendation).values(expected_tps=Recommendation.expected_tps * 2))
+    other = open_database(pg_url)
+    raced = []
+
+    def race(conn, cursor, statement, parameters, context, executemany) -> None:
+        if raced or "max(ft_recommendations.version)" not in statement:
+            return
+        raced.append(statement)  # learn has read the latest version: a study commits the next now
+        with other.session() as s:
+            study = repo.completed_studies(s)[0]
+            draft = learn.recommend(schedules.study_records(s, study.id), study.objective, 64, 16)
+            new = repo.NewRecommendation(study.chip_id, study.model_id, study.id, study.objective, 64, 16,
+                                         replace(draft, expected_tps=draft.expected_tps + 1), depth=0)
+            assert repo.add_recommendation(s, new).version == 2
+
+    event.listen(db.engine, "after_cursor_execute", race)
+    rows = schedules.learn_all(db)
+    assert raced and [(r["changed"], r["version"]) for r in rows] == [(True, 3)]
+    other.dispose()
