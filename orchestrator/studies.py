@@ -488,18 +488,15 @@ class StudyRunner:
         self.sampler = resolve_sampler(cfg.sampler, len(self.alive_nodes()))
         if self.sampler == "grid":
             self.budget = min(self.budget, grid_size(space))
-        fields = dict(
+        new = repo.NewStudy(
+            name=cfg.name or default_study_name(self.target.key, cfg.model, self.objective, cfg.workload),
             chip_id=chip.id, model_id=model.id, objective=str(self.objective),
             n_prompt=cfg.workload.n_prompt, n_gen=cfg.workload.n_gen, depth=cfg.workload.depth,
             reps=self.workload.reps,
             sampler=self.sampler, budget=self.budget, space=space.to_dict(),
             simulated=self.target.simulated, lease_owner=self.owner, lease_heartbeat=repo.utcnow(),
         )
-        if cfg.name:
-            study = repo.add_named_study(s, cfg.name, **fields)
-        else:
-            base = default_study_name(self.target.key, cfg.model, self.objective, cfg.workload)
-            study = repo.add_study_free_name(s, base, **fields)
+        study = repo.add_named_study(s, new) if cfg.name else repo.add_study_free_name(s, new)
         self.study_id, self.name = study.id, study.name
 
     def _take_lease(self, s, study_id: int) -> None:

@@ -228,22 +228,20 @@ def add_study(session: Session, new: NewStudy) -> Study:
     return study
 
 
-def add_named_study(session: Session, name: str, **fields) -> Study:
-    """A new study called ``name`` (``fields``: the rest of a ``NewStudy``); BadInput when it exists,
-    also when another driver created it since the caller looked."""
-    new = NewStudy(name=name, **fields)
+def add_named_study(session: Session, new: NewStudy) -> Study:
+    """A new study called ``new.name``; BadInput when it exists, also when another driver created
+    it since the caller looked."""
     try:
         with session.begin_nested():
             return add_study(session, new)
     except IntegrityError:
-        raise BadInput(f"study {name!r} already exists; pass --resume to continue it") from None
+        raise BadInput(f"study {new.name!r} already exists; pass --resume to continue it") from None
 
 
-def add_study_free_name(session: Session, base: str, **fields) -> Study:
-    """A new study named ``base`` (or ``base#2``, ...; ``fields``: the rest of a ``NewStudy``), safe
-    against another driver creating a study of the same name at the same instant: a name taken
-    meanwhile is retried with the next one."""
-    new = NewStudy(name=base, **fields)
+def add_study_free_name(session: Session, new: NewStudy) -> Study:
+    """A new study named ``new.name`` (or ``name#2``, ...), safe against another driver creating a
+    study of the same name at the same instant: a name taken meanwhile is retried with the next one."""
+    base = new.name
     for _ in range(100):
         name = free_study_name(session, base)
         try:
