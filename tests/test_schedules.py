@@ -117,12 +117,11 @@ def test_a_new_study_measures_the_warm_start_first(fleet_db):
     assert measured[:len(expected)] == expected
 
 
-def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_changes(sqlite_url):
-    """A study on the in-process fleet stores its recommendation; the NewRecommendation that
-    `schedule learn` writes from the same evidence carries every column the same (one typed copy)."""
+def finished_sim_study(url: str):
+    """A database holding one complete study (tg, 64+16 tokens) of a simulated M1 Pro on the
+    in-process fleet, with its recommendation."""
     from functools import partial
 
-    from orchestrator import learn
     from orchestrator.studies import ChipTarget, StudyRunner
     from orchestrator.virtual import VirtualFleet
 
@@ -130,16 +129,25 @@ def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_c
     fleet = VirtualFleet(chip, 4, seed=2)
     cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=8, seed=3, confirm_top=1,
                       workload=Workload(n_prompt=64, n_gen=16, reps=1))
-    db = open_database(sqlite_url)
+    db = open_database(url)
     StudyRunner(db, fleet, cfg, ChipTarget(chip, {}, simulated=True),
                 alive_nodes=partial(fleet.alive_nodes, chip.chip_key)).run()
+    return db
+
+
+def test_schedule_learn_stores_exactly_what_the_study_stored_and_versions_only_changes(sqlite_url):
+    """A study on the in-process fleet stores its recommendation; the NewRecommendation that
+    `schedule learn` writes from the same evidence carries every column the same (one typed copy)."""
+    from orchestrator import learn
+
+    db = finished_sim_study(sqlite_url)
     assert [r["changed"] for r in schedules.learn_all(db)] == [False]  # the study stored it already
     with db.session() as s:
         study = repo.completed_studies(s)[0]
         draft = learn.recommend(schedules.study_records(s, study.id), study.objective, 64, 16)
         new = repo.NewRecommendation(chip_id=study.chip_id, model_id=study.model_id, study_id=study.id,
                                      objective="tg", n_prompt=64, n_gen=16, draft=draft, source="learn")
-        [first] = repo.latest_recommendations(s, [study.model_id], chip.chip_key, "tg")
+        [first] = repo.latest_recommendations(s, [study.model_id], study.chip.key, "tg")
         typed = repo.add_recommendation(s, new)
         assert (first.version, typed.version) == (1, 2)
         columns = [c.key for c in typed.__table__.columns if c.key not in ("id", "version", "source", "created_at")]
@@ -152,22 +160,13 @@ def test_schedule_learn_retries_when_a_study_stores_the_same_version_first(pg_ur
     read the latest version and insert the next: PostgreSQL refuses the second insert on the
     version's unique key. learn's transaction is retried, reads the other version, stores its own."""
     from dataclasses import replace
-    from functools import partial
 
     from sqlalchemy import event, update
 
     from orchestrator import learn
     from orchestrator.db.models import Recommendation
-    from orchestrator.studies import ChipTarget, StudyRunner
-    from orchestrator.virtual import VirtualFleet
 
-    chip = simulated.parse_chip("M1 Pro/16")
-    fleet = VirtualFleet(chip, 4, seed=2)
-    cfg = StudyConfig(model=sim_model_info(SIM_MODEL), n_trials=8, seed=3, confirm_top=1,
-                      workload=Workload(n_prompt=64, n_gen=16, reps=1))
-    db = open_database(pg_url)
-    StudyRunner(db, fleet, cfg, ChipTarget(chip, {}, simulated=True),
-                alive_nodes=partial(fleet.alive_nodes, chip.chip_key)).run()
+    db = finished_sim_study(pg_url)
     with db.session() as s:  # the stored answer differs from the evidence's: learn stores a version
         s.execute(update(Recommendation).values(expected_tps=Recommendation.expected_tps * 2))
     other = open_database(pg_url)
