@@ -162,7 +162,7 @@ def run_ray(args) -> dict:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
     plan = plan_join(CHIP, "calibrated", time_scale=0.0)
-    from workers.agent import TRIAL_S_LABEL
+    from workers.labels import TRIAL_S_LABEL
 
     labels = {**plan.labels, TRIAL_S_LABEL: f"{args.trial_s:g}"}
     for _ in range(args.nodes):

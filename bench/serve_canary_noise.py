@@ -1,5 +1,5 @@
 """How noisy is the served canary analysis? An A/A test: three `fleettune serve` servers with the SAME
-config under the done-when test's request loop (one openai client, round robin, 8-token
+config under tests/test_serve_fleet.py's request loop (one openai client, round robin, 8-token
 completions), judged as a canary against two controls, many times, by the old method and the new.
 
 - old: each node probed in turn, 4 samples, each a one-token request and the full request of the

@@ -8,8 +8,8 @@ fastest samples in records made before the analysis took the median) the rollout
 
 Two ways to get records:
 
-- ``--db URL --rollout ID``: a rollout already in a results database (the done-when test's, a
-  fleet's);
+- ``--db URL --rollout ID``: a rollout already in a results database (tests/test_serve_fleet.py's,
+  a fleet's);
 - no ``--db``: a local Ray cluster of three nodes of this machine's chip, each running `fleettune
   serve` with SmolLM2-135M (llama-cpp-python's server on loopback, no other traffic); an operator's
   pin goes to every node first (``--params '-t 1 -b 8 -ub 8'``, tolerance 90 %, so it is promoted:

@@ -25,7 +25,7 @@ from typing import Protocol
 from workers import agent
 from workers.agent import NodeInfo
 from workers.errors import BadInput
-from workers.join import BENCH_RESOURCE, CHIP_LABEL
+from workers.labels import BENCH_RESOURCE, CHIP_LABEL, SIMULATE_LABEL
 from workers.trial import FailureKind, TrialResult, TrialSpec
 
 __all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "RayDispatcher", "connect", "on_node"]
@@ -100,7 +100,7 @@ class BenchNode:
 
     @property
     def simulated(self) -> bool:
-        return agent.SIMULATE_LABEL in self.labels
+        return SIMULATE_LABEL in self.labels
 
 
 def check_reachable(address: str) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 from orchestrator.db import Database, repo
 from orchestrator.db.session import data_dir
 from workers import fleet_token
-from workers.agent import HOSTNAME_LABEL, SIMULATE_LABEL
 from workers.errors import BadInput
-from workers.join import BENCH_RESOURCE, CHIP_LABEL, run_ray
+from workers.join import run_ray
+from workers.labels import BENCH_RESOURCE, CHIP_LABEL, HOSTNAME_LABEL, SIMULATE_LABEL
 
 SLOW_NODE_THRESHOLD = 0.10  # a node this much slower than its peers' median is flagged
 

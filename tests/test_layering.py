@@ -32,3 +32,81 @@ def test_only_the_database_package_imports_sqlalchemy():
 
 def test_workers_never_import_the_orchestrator():
     assert importers("workers", "orchestrator") == []
+
+
+def test_only_the_database_package_imports_optunas_sqlalchemy_models():
+    outside = [p for p in importers("orchestrator", "optuna.storages._rdb") if not p.startswith("orchestrator/db/")]
+    assert outside == [] and importers("workers", "optuna.storages._rdb") == []
+    assert "orchestrator/db/storage.py" in importers("orchestrator", "optuna.storages._rdb")
+
+
+PACKAGES = ("workers", "orchestrator", "migrations")
+# Alembic's own pattern: its env.py imports the models it migrates (issue 21 allows this arrow)
+ALLOWED_ARROWS = {("migrations.env", "orchestrator.db.models")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project's modules a file imports (``from workers import serve`` names workers.serve)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in out if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    modules = set(files)
+    return {name: {m for m in project_imports(path, modules) if m != name and (name, m) not in ALLOWED_ARROWS}
+            for name, path in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm): an import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_there_is_no_import_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the scan sees one
+    graph = import_graph()
+    assert "workers.labels" in graph["workers.join"] and "workers.serve" in graph["workers.agent"]
+    assert cycles(graph) == []
+

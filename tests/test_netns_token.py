@@ -135,8 +135,8 @@ def test_the_dashboards_metrics_endpoint_fails_to_start_on_the_port_fleettune_gi
 
 
 def test_a_fixed_trial_duration_is_for_simulated_nodes_only():
-    from workers.agent import TRIAL_S_LABEL
     from workers.join import plan_join
+    from workers.labels import TRIAL_S_LABEL
 
     assert plan_join("M2 Ultra/76", trial_s=20).labels[TRIAL_S_LABEL] == "20"
     with pytest.raises(BadInput):

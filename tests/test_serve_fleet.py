@@ -1,4 +1,4 @@
-"""The done-when test: three real serving nodes (raylets of the session's Ray cluster, each serving
+"""Serving end to end: three real serving nodes (raylets of the session's Ray cluster, each serving
 SmolLM2 through its own `fleettune serve` on loopback) under a steady, bounded request loop from the
 `openai` client. Recommendations for tg, pp and e2e roll out (judged on served traffic, no spurious
 rollback), one is rolled back by hand, an operator's regression (one thread, batch 1) is detected by

@@ -13,15 +13,17 @@ import time
 from dataclasses import asdict, dataclass
 
 from workers import bench
+from workers.files import fsync_dir
 from workers.hardware import fingerprint_live
+from workers.labels import (
+    HOSTNAME_LABEL,
+    SCENARIO_LABEL,
+    SIMULATE_LABEL,
+    SPEED_LABEL,
+    TIME_SCALE_LABEL,
+    TRIAL_S_LABEL,
+)
 from workers.trial import FailureKind, TrialResult, TrialSpec
-
-HOSTNAME_LABEL = "fleettune.io/hostname"  # optional: a name to show instead of the OS hostname
-SIMULATE_LABEL = "fleettune.io/simulate"  # value: a chip bin as "M2_Ultra.76.192"
-SCENARIO_LABEL = "fleettune.io/scenario"
-TIME_SCALE_LABEL = "fleettune.io/time-scale"
-SPEED_LABEL = "fleettune.io/speed"  # a simulated node's speed relative to its chip (a degraded Mac)
-TRIAL_S_LABEL = "fleettune.io/trial-s"  # a simulated node whose every trial takes this many seconds
 
 NODE_LOST = FailureKind.NODE_LOST.value  # the failure reason of a trial whose node left the cluster
 
@@ -176,7 +178,7 @@ def finish_model(path: str, part: str, sha256: str, force: bool = False) -> str:
         with open(part, "rb") as handle:
             os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
         os.replace(part, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
         digests.remember(path, sha256)
         return "replaced" if status == "different" else "copied"
     finally:
@@ -191,19 +193,6 @@ def discard_model_part(part: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot sync a directory; the rename itself is still atomic
-    finally:
-        os.close(fd)
 
 
 def _check_node(node_id: str) -> None:

@@ -82,8 +82,8 @@ def cpu_only(params: BenchParams, fp: Fingerprint, keep_op_offload: bool = False
     """``params`` for a measurement of the CPU alone: op offload off where a GPU backend has one.
 
     With every layer on the CPU (-ngl 0), llama.cpp's op offload still copies the weights of a
-    large prompt batch (32 tokens and more) to the GPU and runs it there: on the H200, pp512 of
-    SmolLM2 at -ngl 0 -t 1 ran at 3,000-4,900 tok/s. That measures the GPU, not the threads.
+    large prompt batch (32 tokens and more) to the GPU and runs it there, so a pp figure at -ngl 0
+    would measure the GPU, not the threads.
     """
     if params.n_gpu_layers == 0 and fp.gpu_offload and not keep_op_offload:
         return dataclasses.replace(params, op_offload=False)
@@ -487,9 +487,8 @@ def _describe_exit(returncode: int, stderr: str) -> tuple[str, FailureKind]:
 
 # Run isolated (-I: no working directory, PYTHONPATH or user site on sys.path, so a local
 # `workers/` folder cannot stand in for the package), with the parent's own package put first.
-# -I also drops PYTHONPATH, where a machine without an installer keeps llama_cpp and the rest (the
-# H200 machine: every measurement failed with "No module named 'llama_cpp'"), so the parent's own
-# sys.path comes along in FLEETTUNE_CHILD_PATH, after the child's: the interpreter's packages first,
+# -I also drops PYTHONPATH, where a machine without an installer may keep llama_cpp and the rest,
+# so the parent's own sys.path comes along in FLEETTUNE_CHILD_PATH, after the child's: the interpreter's packages first,
 # ``workers`` from the parent's package root before anything else, no working directory.
 CHILD_PATH_ENV = "FLEETTUNE_CHILD_PATH"
 CHILD_PATH_BOOT = ("import os, sys; sys.path.insert(0, sys.argv[1]); "

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from workers.errors import BadInput
+from workers.files import atomic_write
 from workers.models import sha256_file
 from workers.paths import data_dir
 
@@ -43,11 +44,8 @@ def _save(entries: dict) -> None:
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".sha256-cache-", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(entries, handle)
-        os.replace(tmp, path)
-    except OSError:
+        atomic_write(path, json.dumps(entries), fsync=False)
+    except (OSError, BadInput):
         return  # a read-only data dir only means hashing again next time
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-import tempfile
 from pathlib import Path
 
 from workers.errors import BadInput
+from workers.files import atomic_write
 
 TOKEN_ENV = "FLEETTUNE_RAY_TOKEN"
 TOKEN_FILE_ENV = "FLEETTUNE_RAY_TOKEN_FILE"
@@ -45,18 +45,7 @@ def write_token_file(path: Path, token: str) -> None:
     """Replace ``path`` with ``token`` atomically, mode 0600 from the first byte on."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ray_token.", dir=path.parent)  # mkstemp creates 0600
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, token, mode=0o600)
 
 
 def resolve(token_file: Path | None, default_file: Path | None) -> str | None:

@@ -16,21 +16,21 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from workers.agent import (
+from workers.errors import BadInput, FleettuneError
+from workers.hardware import Fingerprint, fingerprint_live
+from workers.labels import (
+    BENCH_RESOURCE,
+    CHIP_LABEL,
+    GPU_CORES_LABEL,
     HOSTNAME_LABEL,
+    MEMORY_LABEL,
     SCENARIO_LABEL,
     SIMULATE_LABEL,
     SPEED_LABEL,
     TIME_SCALE_LABEL,
     TRIAL_S_LABEL,
 )
-from workers.errors import BadInput, FleettuneError
-from workers.hardware import Fingerprint, fingerprint_live
 
-BENCH_RESOURCE = "fleettune_bench"
-CHIP_LABEL = "fleettune.io/chip"
-GPU_CORES_LABEL = "fleettune.io/gpu-cores"
-MEMORY_LABEL = "fleettune.io/memory-gb"
 AUTH_ENV = {"RAY_AUTH_MODE": "token"}
 # Ray's metrics export (the dashboard agent's Prometheus endpoint, with `ray[default]` installed)
 # answers anyone, token or not, and listens on every interface of a node that is not on loopback;

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from workers.files import atomic_write
 from workers.paths import data_dir
 
 ENV = "FLEETTUNE_LLAMA_EXTRA_BUFTS"
@@ -55,9 +56,7 @@ def extra_buffers_usable(model_path: str) -> bool:
         return True  # undecided: leave llama.cpp's default
     known[llama_cpp.__version__] = usable
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known))
-    os.replace(tmp, cache)
+    atomic_write(cache, json.dumps(known), fsync=False)
     return usable
 
 

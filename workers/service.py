@@ -27,6 +27,7 @@ from pathlib import Path
 
 from workers import fleet_token
 from workers.errors import BadInput
+from workers.files import atomic_write
 
 KINDS = ("worker", "serve")
 
@@ -117,14 +118,9 @@ def install(kind: str, **options) -> ServiceFile:
     """Write the service file (owner-only, atomically; a plist is read back with plistlib)."""
     service = render(kind, **options)
     service.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = service.path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(service.text)
     if service.path.suffix == ".plist":
-        with open(tmp, "rb") as handle:
-            plistlib.load(handle)  # a file launchd cannot read is never put in place
-    os.replace(tmp, service.path)
+        plistlib.loads(service.text)  # a file launchd cannot read is never put in place
+    atomic_write(service.path, service.text, mode=0o600)
     return service
 
 
