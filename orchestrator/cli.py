@@ -838,10 +838,18 @@ def config_show(node_id, fmt) -> None:
         configs = {k: v for k, v in configs.items() if k.startswith(node_id)}
     if not configs:
         raise BadInput("no active configuration on this machine" + (f" for node {node_id}" if node_id else ""))
-    for key, payload in configs.items():
+    bad = {key: error for key, error in configs.items() if isinstance(error, nodeconfig.BadConfigFile)}
+    if len(bad) == len(configs) == 1:
+        raise next(iter(bad.values()))
+    for key, config in configs.items():
         if len(configs) > 1:
             click.echo(f"# node {key}")
-        click.echo(nodeconfig.render(payload, fmt))
+        if key in bad:
+            click.echo(f"error: {bad[key]}", err=True)
+        else:
+            click.echo(nodeconfig.render(config, fmt))
+    if bad:
+        sys.exit(2)
 
 
 # ---------------------------------------------------------------- plots

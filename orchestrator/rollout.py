@@ -33,6 +33,7 @@ from orchestrator.db import Database, repo
 from workers import agent
 from workers.errors import BadInput
 from workers.models import ModelInfo
+from workers.nodeconfig import NodeConfig, ServedWorkload, validate_params
 from workers.objective import objective as objective_named
 from workers.trial import BenchParams, TrialSpec, Workload
 
@@ -100,10 +101,10 @@ def _payload(rec, model: ModelInfo, objective: str, version: int, rollout_id: in
     params = BenchParams.from_dict({**rec.params, **(pin or {})})
     if pin and "n_ubatch" not in pin:
         params = BenchParams.from_dict({**params.to_dict(), "n_ubatch": min(params.n_ubatch, params.n_batch)})
-    return {"version": version, "rollout_id": rollout_id, "model_sha256": model.sha256,
-            "model_name": model.name, "objective": objective, "params": params.to_dict(),
-            "expected_tps": float(rec.expected_tps), "source": "pin" if pin else "recommendation",
-            "workload": {"n_prompt": int(rec.n_prompt), "n_gen": int(rec.n_gen)}}
+    return NodeConfig(version=version, rollout_id=rollout_id, model_sha256=model.sha256, model_name=model.name,
+                      objective=objective_named(objective), params=validate_params(params.to_dict()),
+                      expected_tps=float(rec.expected_tps), source="pin" if pin else "recommendation",
+                      workload=ServedWorkload(int(rec.n_prompt), int(rec.n_gen))).to_dict()
 
 
 def plan(db: Database, model: ModelInfo, objective: str = "tg", chips: list[str] | None = None,

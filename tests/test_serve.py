@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,29 @@ def test_config_changes_under_load_drop_no_request_and_a_killed_server_comes_bac
                       timeout=120)
     assert back["restarts"] == 1 and back["config_version"] == 2
     assert proc.poll() is None
+
+
+def test_a_bad_config_file_never_stops_the_supervisor_and_the_server_keeps_its_last_good_config(served,
+                                                                                                 model_path):
+    proc, status = served
+    sha256 = read_model_info(model_path).sha256
+    nodeconfig.write(NODE, payload(sha256, 1, 2))
+    good = wait_until(lambda: (s := serve.read_status(NODE)) and s["config_version"] == 1 and s["healthy"]
+                      and s["draining"] == 0 and s, timeout=120)
+    text = nodeconfig.path_for(NODE).read_text()
+    bad_files = {"truncated": text[: len(text) // 2], "empty": "", "list": f"[{text}]",
+                 "no params": text.replace('"params"', '"parameters"'),
+                 "injected": text.replace('"n_threads": 2', '"n_threads": "4 --host 0.0.0.0"')}
+    for kind, bad in bad_files.items():
+        nodeconfig.path_for(NODE).write_text(bad)  # a hand edit, a torn copy: no writer of ours
+        said = wait_until(lambda: (s := serve.read_status(NODE)) and s["config_error"] and s["fresh"] and s,
+                          timeout=30)
+        assert "\n" not in said["config_error"] and NODE[:12] in said["config_error"], kind
+        assert proc.poll() is None and said["pid"] == good["pid"] and said["config_version"] == 1, kind
+        assert said["switching_to"] is None and said["params"] == good["params"], kind
+    with urllib.request.urlopen(status["address"] + "/models", timeout=30) as answer:
+        assert answer.status == 200  # still serving, on the last good config
+    nodeconfig.write(NODE, payload(sha256, 2, 1), only_if=[payload(sha256, 1, 2)])  # replaces the bad file
+    back = wait_until(lambda: (s := serve.read_status(NODE)) and s["config_version"] == 2 and s["healthy"] and s,
+                      timeout=120)
+    assert back["config_error"] is None and back["restarts"] == 0 and proc.poll() is None

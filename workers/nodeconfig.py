@@ -1,9 +1,14 @@
 """A node's active configuration: the file a rollout writes and `fleettune config show` reads.
 
-The payload is validated data (known keys, bounded values), never a shell string; it is written to
-a temporary file, flushed to disk and renamed over the old one, so a reader sees the old config or
-the new one, never half of either. One file per node, named by the node's Ray id, under
-``<data dir>/node-config`` (several simulated nodes may share one machine).
+The config is a typed ``NodeConfig``, checked in ``from_dict`` (known keys, bounded values, never a
+shell string) both where it is written and where it is read (rule 24.3): a file that is truncated,
+empty, of the wrong shape or hand-edited out of bounds is a ``BadConfigFile`` naming what is wrong in
+one line; the supervisor keeps serving its last good config and says why in its status, `config
+show` prints that line, and the next write (a rollout's apply or restore) replaces the file.
+
+A write goes to a temp file, flushed to disk and renamed over the old one, so a reader sees the old
+config or the new one, never half of either. One file per node, named by the node's Ray id, under
+``<data dir>/node-config``, which holds nothing else (several simulated nodes may share one machine).
 
 Writers (a rollout's apply, a rollback, the join hand-out) take the node's lock file, and a write
 may be conditional (``only_if``: the configs the node may hold now), so a rollback never replaces a
@@ -15,24 +20,155 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.errors import BadInput
+from workers.files import atomic_write
+from workers.objective import Objective, objective
 from workers.paths import data_dir
-from workers.trial import BenchParams, llama_cpp_python_code
+from workers.trial import KV_TYPES, BenchParams, llama_cpp_python_code
 
-KEYS = {"version", "rollout_id", "model_sha256", "model_name", "objective", "params", "expected_tps"}
-OPTIONAL_KEYS = {"workload", "source"}  # the recommendation's n_prompt/n_gen; "recommendation" or "pin"
+KEYS = ("version", "rollout_id", "model_sha256", "model_name", "objective", "params", "expected_tps")
+OPTIONAL_KEYS = ("workload", "source", "server")
+SOURCES = ("recommendation", "pin")
 PARAM_BOUNDS = {"n_gpu_layers": (0, 1000), "n_threads": (1, 1024), "n_batch": (1, 65536),
                 "n_ubatch": (1, 65536)}
-OTHER_PARAMS = {"flash_attn", "n_threads_batch", "type_k", "type_v", "n_cpu_moe", "op_offload"}
+OPTIONAL_PARAM_BOUNDS = {"n_threads_batch": (1, 1024), "n_cpu_moe": (0, 1000)}
+SERVER_PARAM_BOUNDS = {"n_ctx": (1, 1 << 20), "n_parallel": (1, 256)}  # server-only: context, slots
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[\w.\-+ ]{1,200}$")
+NODE_ID = re.compile(r"^[0-9a-f]{8,64}$")
 FORMATS = ("json", "flags", "ollama", "python")
+MAX_FILE_BYTES = 1 << 20  # a node config is a few hundred bytes
+
+
+class BadConfigFile(BadInput):
+    """A node's config file that is not a valid config (one line: the file and what is wrong)."""
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def validate_params(params: object) -> dict:
+    """The bench params of a node config, checked (rule 21.2: the one place the bounds are checked)."""
+    if not isinstance(params, dict):
+        raise BadInput("config params must be an object")
+    unknown = set(params) - set(PARAM_BOUNDS) - set(OPTIONAL_PARAM_BOUNDS) - {"flash_attn", "type_k", "type_v",
+                                                                              "op_offload"}
+    if unknown:
+        raise BadInput(f"config params has unknown keys {sorted(unknown)}")
+    for key, (low, high) in PARAM_BOUNDS.items():
+        if not _is_int(params.get(key), low, high):
+            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
+    for key, (low, high) in OPTIONAL_PARAM_BOUNDS.items():
+        if params.get(key) is not None and not _is_int(params[key], low, high):
+            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
+    if params.get("flash_attn", False) not in (True, False, "auto"):
+        raise BadInput("config params.flash_attn must be true, false or \"auto\"")
+    for key in ("type_k", "type_v"):
+        if params.get(key, "f16") not in KV_TYPES:
+            raise BadInput(f"config params.{key} must be one of {', '.join(KV_TYPES)}")
+    if params.get("op_offload", True) not in (True, False):
+        raise BadInput("config params.op_offload must be true or false")
+    BenchParams.from_dict(params)
+    return dict(params)
+
+
+@dataclass(frozen=True)
+class ServedWorkload:
+    """The requests a config was recommended for: prompt and generated tokens."""
+
+    n_prompt: int
+    n_gen: int
+
+    @classmethod
+    def from_dict(cls, data: object) -> ServedWorkload:
+        if not isinstance(data, dict) or set(data) != {"n_prompt", "n_gen"} \
+                or not all(_is_int(v, 0, 1_000_000) for v in data.values()) or data["n_prompt"] + data["n_gen"] < 1:
+            raise BadInput("config workload must be {n_prompt, n_gen}: integers in 0..1000000, not both 0")
+        return cls(data["n_prompt"], data["n_gen"])
+
+    def to_dict(self) -> dict:
+        return {"n_prompt": self.n_prompt, "n_gen": self.n_gen}
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node's active config: which rollout put it there, for which model and objective, the bench
+    params (validated by ``validate_params``), server-only params, and the figure a canary must reach.
+
+    ``to_dict(from_dict(d)) == d`` for every valid ``d``: the dict is what crosses Ray and what the
+    rollout's records hold, and conditional writes compare it.
+    """
+
+    version: int
+    rollout_id: int
+    model_sha256: str
+    model_name: str
+    objective: Objective
+    params: dict
+    expected_tps: float
+    workload: ServedWorkload | None = None  # absent in configs written before workloads were recorded
+    source: str | None = None  # "recommendation" (the default when absent) or "pin"
+    server: dict = field(default_factory=dict)  # server-only params (SERVER_PARAM_BOUNDS)
+
+    @classmethod
+    def from_dict(cls, data: object) -> NodeConfig:
+        """The config, checked; BadInput names the first thing wrong with it."""
+        if not isinstance(data, dict):
+            raise BadInput(f"config must be a JSON object, not {type(data).__name__}")
+        missing, unknown = set(KEYS) - set(data), set(data) - set(KEYS) - set(OPTIONAL_KEYS)
+        if missing or unknown:
+            raise BadInput(f"config must have the keys {sorted(KEYS)} (and only {sorted(OPTIONAL_KEYS)} besides): "
+                           + ", ".join([*(f"{k} missing" for k in sorted(missing)),
+                                        *(f"{k} unknown" for k in sorted(unknown))]))
+        if not _is_int(data["version"], 1, 1 << 62) or not _is_int(data["rollout_id"], 0, 1 << 62):
+            raise BadInput("config version must be a positive integer and rollout_id a whole number")
+        if not isinstance(data["model_sha256"], str) or not SHA256.match(data["model_sha256"]) \
+                or not isinstance(data["model_name"], str) or not NAME.match(data["model_name"]):
+            raise BadInput("config model_sha256 must be 64 hex digits and model_name a plain name")
+        if not isinstance(data["objective"], str):
+            raise BadInput("config objective must be a name")
+        expected = data["expected_tps"]
+        if isinstance(expected, bool) or not isinstance(expected, int | float) or not 0 < expected < 1e7:
+            raise BadInput("config expected_tps must be a positive number")
+        source = data.get("source")
+        if source is not None and source not in SOURCES:
+            raise BadInput(f"config source must be {' or '.join(SOURCES)}")
+        server = data.get("server", {})
+        if not isinstance(server, dict) or not set(server) <= set(SERVER_PARAM_BOUNDS) or not all(
+                _is_int(v, *SERVER_PARAM_BOUNDS[k]) for k, v in server.items()):
+            raise BadInput(f"config server must hold only bounded integers {sorted(SERVER_PARAM_BOUNDS)}")
+        return cls(version=data["version"], rollout_id=data["rollout_id"], model_sha256=data["model_sha256"],
+                   model_name=data["model_name"], objective=objective(data["objective"]),
+                   params=validate_params(data["params"]), expected_tps=expected,
+                   workload=ServedWorkload.from_dict(data["workload"]) if "workload" in data else None,
+                   source=source, server=dict(server))
+
+    def to_dict(self) -> dict:
+        out = {"version": self.version, "rollout_id": self.rollout_id, "model_sha256": self.model_sha256,
+               "model_name": self.model_name, "objective": self.objective.name, "params": dict(self.params),
+               "expected_tps": self.expected_tps}
+        if self.workload is not None:
+            out["workload"] = self.workload.to_dict()
+        if self.source is not None:
+            out["source"] = self.source
+        if self.server:
+            out["server"] = dict(self.server)
+        return out
+
+    @property
+    def bench_params(self) -> BenchParams:
+        return BenchParams.from_dict(self.params)
+
+    @property
+    def origin(self) -> str:
+        """Where the config came from: "recommendation" or "pin"."""
+        return self.source or "recommendation"
 
 
 def config_dir() -> Path:
@@ -40,50 +176,50 @@ def config_dir() -> Path:
 
 
 def validate(payload: dict) -> dict:
-    """The payload, checked; BadInput names the first thing wrong with it."""
-    if not isinstance(payload, dict) or not KEYS <= set(payload) <= KEYS | OPTIONAL_KEYS:
-        raise BadInput(f"config payload must have the keys {sorted(KEYS)} (and only {sorted(OPTIONAL_KEYS)} besides)")
-    workload = payload.get("workload", {"n_prompt": 0, "n_gen": 1})
-    if not isinstance(workload, dict) or set(workload) != {"n_prompt", "n_gen"} or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000 for v in workload.values()) \
-            or workload["n_prompt"] + workload["n_gen"] < 1:
-        raise BadInput("config workload must be {n_prompt, n_gen}: integers in 0..1000000, not both 0")
-    if payload.get("source", "recommendation") not in ("recommendation", "pin"):
-        raise BadInput("config source must be recommendation or pin")
-    if not isinstance(payload["version"], int) or not isinstance(payload["rollout_id"], int) \
-            or payload["version"] < 1:
-        raise BadInput("config version and rollout_id must be positive integers")
-    if not SHA256.match(str(payload["model_sha256"])) or not NAME.match(str(payload["model_name"])):
-        raise BadInput("config model_sha256 must be 64 hex digits and model_name a plain name")
-    if payload["objective"] not in ("tg", "pp", "e2e"):
-        raise BadInput(f"config objective {payload['objective']!r} unknown")
-    expected = payload["expected_tps"]
-    if not isinstance(expected, int | float) or not 0 < expected < 1e7:
-        raise BadInput("config expected_tps must be a positive number")
-    params = payload["params"]
-    if not isinstance(params, dict) or not set(params) <= set(PARAM_BOUNDS) | OTHER_PARAMS:
-        raise BadInput("config params has unknown keys")
-    for key, (low, high) in PARAM_BOUNDS.items():
-        value = params.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
-    if params.get("n_threads_batch") is not None and not 1 <= int(params["n_threads_batch"]) <= 1024:
-        raise BadInput("config params.n_threads_batch out of range")
-    if params.get("flash_attn", False) not in (True, False, "auto"):
-        raise BadInput("config params.flash_attn must be true, false or \"auto\"")
-    BenchParams.from_dict(params)  # the KV cache types and the rest: BadInput when out of range
-    return payload
+    """The payload, checked (``NodeConfig.from_dict``); BadInput names the first thing wrong with it."""
+    return NodeConfig.from_dict(payload).to_dict()
 
 
 def path_for(node_id: str) -> Path:
-    if not re.match(r"^[0-9a-f]{8,64}$", node_id):
+    if not isinstance(node_id, str) or not NODE_ID.match(node_id):
         raise BadInput(f"bad node id {node_id!r}")
     return config_dir() / f"{node_id}.json"
 
 
+def _parse(path: Path, node_id: str) -> NodeConfig | None:
+    """The config in ``path`` (None: no file); BadConfigFile for a file that holds no valid config."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise BadConfigFile(f"node {node_id[:12]}: config file {path}: cannot be read ({exc.strerror})") from None
+    try:
+        if len(raw) > MAX_FILE_BYTES:
+            raise BadInput(f"config is over {MAX_FILE_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise BadInput("not JSON (empty or truncated?)" if raw.strip() else "empty") from None
+        return NodeConfig.from_dict(data)
+    except BadInput as exc:
+        raise BadConfigFile(f"node {node_id[:12]}: bad config file {path}: {exc}") from None
+
+
+def load(node_id: str) -> NodeConfig | None:
+    """The node's active config (None: none); ``BadConfigFile`` when its file holds no valid config."""
+    return _parse(path_for(node_id), node_id)
+
+
 def read(node_id: str) -> dict | None:
-    path = path_for(node_id)
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The node's active config as its dict; None when there is none or its file is not a valid config
+    (what the head sees: a node without a usable config, which the next write repairs)."""
+    try:
+        config = load(node_id)
+    except BadConfigFile:
+        return None
+    return config.to_dict() if config else None
 
 
 @contextlib.contextmanager
@@ -99,52 +235,56 @@ def locked(node_id: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _replace(path: Path, node_id: str, payload: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{node_id}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write(node_id: str, payload: dict | None, only_if: list[dict | None] | None = None) -> dict:
-    """Make ``payload`` the node's active config (None: no config), under the node's lock.
+def write(node_id: str, config: NodeConfig | dict | None, only_if: list[dict | None] | None = None) -> dict:
+    """Make ``config`` the node's active config (None: no config), under the node's lock.
 
     ``only_if``: the configs the node may hold now for the write to happen; holding any other, the
-    node keeps it. Returns ``{"previous": the config it held, "applied": whether it was written}``.
+    node keeps it. A file that is not a valid config counts as no config and is always replaced
+    (rule 24.3). Returns ``{"previous": the config it held, "applied": whether it was written}``.
     """
-    if payload is not None:
-        validate(payload)
+    if config is not None and not isinstance(config, NodeConfig):
+        config = NodeConfig.from_dict(config)
     path = path_for(node_id)
     with locked(node_id):
-        previous = read(node_id)
-        if only_if is not None and previous not in only_if:
+        try:
+            held = _parse(path, node_id)
+            bad = False
+        except BadConfigFile:
+            held, bad = None, True
+        previous = held.to_dict() if held else None
+        if only_if is not None and not bad and previous not in only_if:
             return {"previous": previous, "applied": False}
-        if payload is None:
+        if config is None:
             path.unlink(missing_ok=True)
-        elif previous != payload:
-            _replace(path, node_id, payload)
+        elif bad or held != config:
+            atomic_write(path, json.dumps(config.to_dict(), indent=2, sort_keys=True))
     return {"previous": previous, "applied": True}
 
 
-def all_configs() -> dict[str, dict]:
-    """Every node config on this machine: node id -> payload."""
+def all_configs() -> dict[str, NodeConfig | BadConfigFile]:
+    """Every node config on this machine: node id -> its config, or why its file holds none."""
     folder = config_dir()
     if not folder.is_dir():
         return {}
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    out: dict[str, NodeConfig | BadConfigFile] = {}
+    for path in sorted(folder.glob("*.json")):
+        if not NODE_ID.match(path.stem):
+            continue
+        try:
+            config = _parse(path, path.stem)
+        except BadConfigFile as exc:
+            out[path.stem] = exc
+            continue
+        if config is not None:
+            out[path.stem] = config
+    return out
 
 
-def render(payload: dict, fmt: str) -> str:
+def render(config: NodeConfig, fmt: str) -> str:
     """The config as JSON, llama.cpp flags, Ollama Modelfile PARAMETER lines or Python."""
-    params = BenchParams.from_dict(payload["params"])
+    params = config.bench_params
     if fmt == "json":
-        return json.dumps(payload, indent=2, sort_keys=True)
+        return json.dumps(config.to_dict(), indent=2, sort_keys=True)
     if fmt == "flags":
         return params.llama_cpp_flags()
     if fmt == "ollama":

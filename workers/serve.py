@@ -12,8 +12,13 @@ activation reload without dropping a request:
    queued on the shared socket, are accepted by the new child.
 
 A child that dies is started again; the server answers a health check every few seconds. What the
-supervisor serves (address, model, config version, health) is written to
-``node-config/<node id>.serve.json``, which the head reads through Ray (``agent.serve_status``).
+supervisor serves (address, model, config version, health, why the node's config file is not used
+when it is not valid) is written to ``serve-status/<node id>.json``, a folder of its own beside
+``node-config/`` (rule 21.2), which the head reads through Ray (``agent.serve_status``).
+
+The config file is read as it is written, through ``NodeConfig.from_dict`` (rule 24.3): a file that
+is not a valid config never reaches a server's argv and never stops the supervisor; the server keeps
+the last good config, and the status says what is wrong with the file in ``config_error``.
 
 Server kinds share one interface (``ServerKind``): llama-cpp-python's OpenAI-compatible server
 (``create_app`` + ``uvicorn.Server`` on the inherited socket) and llama.cpp's own ``llama-server``
@@ -33,7 +38,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -41,6 +45,9 @@ from pathlib import Path
 
 from workers import nodeconfig
 from workers.errors import BadInput
+from workers.files import atomic_write
+from workers.nodeconfig import BadConfigFile, NodeConfig
+from workers.paths import data_dir
 from workers.trial import BenchParams
 
 DEFAULT_PARAMS = {"n_gpu_layers": 99, "n_threads": 4, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
@@ -52,8 +59,13 @@ READY_TIMEOUT_S = 300.0
 N_CTX = 2048
 
 
+def status_dir() -> Path:
+    return data_dir() / "serve-status"
+
+
 def status_path(node_id: str) -> Path:
-    return nodeconfig.path_for(node_id).with_suffix(".serve.json")
+    nodeconfig.path_for(node_id)  # checks the id
+    return status_dir() / f"{node_id}.json"
 
 
 def read_status(node_id: str) -> dict | None:
@@ -69,10 +81,8 @@ def read_status(node_id: str) -> dict | None:
 
 def _write_status(node_id: str, status: dict) -> None:
     path = status_path(node_id)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{node_id}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(status, handle, sort_keys=True)
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(status, sort_keys=True), fsync=False)  # rewritten every step
 
 
 # ---------------------------------------------------------------- server kinds
@@ -137,7 +147,7 @@ def server_kind(name: str) -> ServerKind:
 @dataclass
 class Child:
     proc: subprocess.Popen
-    config: dict | None
+    config: NodeConfig | None
     ready_r: int | None
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
@@ -145,7 +155,7 @@ class Child:
 
     @property
     def version(self) -> int:
-        return int(self.config["version"]) if self.config else 0
+        return self.config.version if self.config else 0
 
 
 class Supervisor:
@@ -166,7 +176,9 @@ class Supervisor:
         self.log_dir = log_dir or nodeconfig.config_dir()
         self.current: Child | None = None
         self.pending: Child | None = None  # a new config's child, until it is ready
-        self.refused: dict | None = None  # a config whose server would not start: not retried
+        self.refused: NodeConfig | None = None  # a config whose server would not start: not retried
+        self.last_good: NodeConfig | None = None  # what the config file last held that was valid
+        self.config_error: str | None = None  # why the config file is not used now (one line)
         self.draining: list[Child] = []
         self.restarts = 0
         self.healthy = False
@@ -180,21 +192,34 @@ class Supervisor:
     def address(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def wanted(self) -> dict | None:
+    def wanted(self) -> NodeConfig | None:
         """The node's active config, if it is for the model this node serves; a node without one
-        asks the head's config hub for its chip's (through Ray) every HUB_EVERY_S."""
-        config = nodeconfig.read(self.node_id)
+        asks the head's config hub for its chip's (through Ray) every HUB_EVERY_S. A config file
+        that holds no valid config: the last good one, and ``config_error`` says why (rule 24.3)."""
+        try:
+            config = nodeconfig.load(self.node_id)
+        except BadConfigFile as exc:
+            self.config_error = str(exc)
+            return self.last_good
+        self.config_error = None
         if config is None and self.chip_key and time.monotonic() - self._last_hub >= HUB_EVERY_S:
             from workers import confighub
 
             self._last_hub = time.monotonic()
             given = confighub.ask(self.chip_key, self.model_sha256)
             if given is not None:
-                config = nodeconfig.write(self.node_id, given, only_if=[None])["applied"] and given
-        return config if config and config.get("model_sha256") == self.model_sha256 else None
+                try:
+                    given_config = NodeConfig.from_dict(given)
+                except BadInput as exc:
+                    self.config_error = f"the config hub's config: {exc}"
+                else:
+                    applied = nodeconfig.write(self.node_id, given_config, only_if=[None])["applied"]
+                    config = given_config if applied else None
+        self.last_good = config if config and config.model_sha256 == self.model_sha256 else None
+        return self.last_good
 
-    def _spawn(self, config: dict | None) -> Child:
-        params = BenchParams.from_dict(config["params"] if config else DEFAULT_PARAMS)
+    def _spawn(self, config: NodeConfig | None) -> Child:
+        params = config.bench_params if config else BenchParams.from_dict(DEFAULT_PARAMS)
         ready_r, ready_w = os.pipe()
         port = None if self.sock else self.port
         fds = (self.sock.fileno(), ready_w) if self.sock else (ready_w,)
@@ -298,8 +323,9 @@ class Supervisor:
         config = child.config if child else None
         _write_status(self.node_id, {
             "address": self.address, "kind": self.kind.name, "model": self.alias,
-            "model_sha256": self.model_sha256, "config_version": config["version"] if config else 0,
-            "params": config["params"] if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
+            "model_sha256": self.model_sha256, "config_version": config.version if config else 0,
+            "params": config.params if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
+            "config_error": self.config_error,
             "healthy": self.healthy and bool(child and child.ready), "restarts": self.restarts,
             "pid": child.proc.pid if child else None,
             "supervisor_pid": os.getpid(), "draining": len(self.draining),
@@ -373,7 +399,7 @@ def chip_of(node_id: str) -> str | None:
     """The node's chip label (what the head's config hub is keyed by)."""
     import ray
 
-    from workers.join import CHIP_LABEL
+    from workers.labels import CHIP_LABEL
 
     for node in ray.nodes():
         if node["NodeID"] == node_id:
