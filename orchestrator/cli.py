@@ -457,7 +457,7 @@ def _outcome_record(outcome, cfg) -> dict:
 
     rec = outcome.recommendation
     obj = cfg.target_objective
-    unit = "tok/s (prompt+gen tokens / e2e seconds)" if obj.name == "e2e" else obj.unit
+    unit = obj.rate_unit
     record = {
         "study": outcome.name,
         "state": outcome.state,
@@ -1203,7 +1203,7 @@ def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
     record = {
         "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "objective": objective, "flags": params.llama_cpp_flags(),
-        "value": round(value, 3), "unit": "s" if objective == "e2e" else "tok/s",
+        "value": round(value, 3), "unit": objective_named(objective).unit,
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
         "simulated": True,
     }

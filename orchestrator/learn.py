@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from workers.errors import FleettuneError
-from workers.objective import Objective, e2e_seconds, objective
+from workers.objective import Objective, objective
 from workers.trial import BenchParams, Sample
 
 
@@ -89,33 +89,8 @@ def recommend(
         pp, tg = _rates(samples, "pp"), _rates(samples, "tg")
         pp_med = statistics.median(pp) if pp else None
         tg_med = statistics.median(tg) if tg else None
-        if target.name == "tg":
-            rates = tg
-        elif target.name == "pp":
-            rates = pp
-        else:  # e2e as effective tokens per second over the whole request
-            seconds = e2e_seconds(pp_med, tg_med, n_prompt, n_gen)
-            if not seconds:
-                return None
-            value = (n_prompt + n_gen) / seconds
-            spread = [
-                (n_prompt + n_gen) / s
-                for s in (
-                    e2e_seconds(min(pp) if pp else None, min(tg) if tg else None, n_prompt, n_gen),
-                    e2e_seconds(max(pp) if pp else None, max(tg) if tg else None, n_prompt, n_gen),
-                )
-                if s
-            ]
-            return {"value": value, "low": min(spread), "high": max(spread), "pp": pp_med, "tg": tg_med}
-        if not rates:
-            return None
-        return {
-            "value": statistics.median(rates),
-            "low": min(rates),
-            "high": max(rates),
-            "pp": pp_med,
-            "tg": tg_med,
-        }
+        spread = target.rate_spread(pp, tg, n_prompt, n_gen)  # a combined objective: its effective rate
+        return {**spread, "pp": pp_med, "tg": tg_med} if spread else None
 
     baseline_group = [r for r in records if r.phase == "baseline"]
     if baselines is None:  # the study's order: llama-cpp-python's defaults, then llama.cpp's

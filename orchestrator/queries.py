@@ -6,6 +6,7 @@ from orchestrator import learn
 from orchestrator.db import Database, repo
 from orchestrator.registry import model_key
 from workers.errors import BadInput
+from workers.objective import objective
 from workers.trial import BenchParams
 
 
@@ -40,7 +41,7 @@ def trial_rows(
                 "pp_stddev": t.pp_tps_stddev,
                 "tg_tps": t.tg_tps_median,
                 "tg_stddev": t.tg_tps_stddev,
-                "cv": t.tg_cv if t.study.objective == "tg" else t.pp_cv,
+                "cv": {"pp": t.pp_cv, "tg": t.tg_cv}[objective(t.study.objective).main_kind],
                 "e2e_s": t.e2e_s,
                 "load_s": t.load_s,
                 "peak_rss_bytes": t.peak_rss_bytes,

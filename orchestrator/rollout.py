@@ -534,7 +534,7 @@ def _generated_per_sample(obj, n_gen: int) -> int:
     """Tokens a sample's full request generates: at least PROBE_MIN_GEN where the objective needs a
     generation rate; one for pp, whose samples are then two prompt timings each (twice the samples
     in the same time)."""
-    return 1 if obj.name == "pp" else min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN)
+    return min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN) if obj.needs_generation else 1
 
 
 def served_snapshot(applier: Applier, row: _Row) -> dict | None:

@@ -37,13 +37,14 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
+from workers.objective import TG, Objective
+from workers.objective import objective as objective_named
 from workers.trial import BenchParams
 
 MIN_BATCH = 32
 MAX_BATCH = 4096
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
 FLASH_ATTN_MODES = ("off", "on", "auto")
-PROMPT_OBJECTIVES = ("pp", "e2e")
 LLAMA_CPP_BATCH, LLAMA_CPP_UBATCH = 2048, 512  # llama.cpp's own -b and -ub
 WORKING_SET_FRACTION = 0.75  # the share of unified memory Metal lets the GPU wire by default
 
@@ -122,9 +123,9 @@ class SearchSpace:
     threads_log: bool = False  # threads proposed on a log scale (1 -> 2 weighs as 8 -> 16)
 
     @classmethod
-    def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: str = "tg",
+    def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: Objective = TG,
                    moe: MoeLayout | None = None, depth: int = 0) -> SearchSpace:
-        prompt = str(objective) in PROMPT_OBJECTIVES and n_prompt > 0
+        prompt = objective_named(objective).needs_prompt and n_prompt > 0
         # Where the batch is not searched it stays at llama.cpp's default, clipped to the most
         # tokens one decode can get: the prompt's, or the depth's, which fill the KV cache with that
         # batch before tg is timed (clipped to the prompt alone, a tg study at a depth of 8k filled
@@ -360,7 +361,7 @@ def llama_cpp_defaults(fp: Fingerprint, model: ModelInfo, n_prompt: int | None =
 
 
 def predicted_optimum(fp: Fingerprint, model: ModelInfo, n_prompt: int, n_gen: int, depth: int = 0,
-                      objective: str = "tg") -> BenchParams | None:
+                      objective: Objective = TG) -> BenchParams | None:
     """The calibrated Apple Silicon model's best configuration for this chip and model (the
     simulator's exhaustive optimum, workers/simulated.py), as a first guess worth one trial.
 

@@ -52,7 +52,7 @@ from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
-from workers.objective import Objective, objective
+from workers.objective import OBJECTIVES, TG, Objective, e2e_seconds, objective
 from workers.trial import BenchParams, FailureKind, TrialResult, TrialSpec, Workload
 
 POLL_S = 0.5
@@ -103,7 +103,7 @@ class StudyConfig:
     resumed one keeps what it was created with."""
 
     model: ModelInfo
-    objective: Objective | str = "tg"
+    objective: Objective | str = TG
     workload: Workload = field(default_factory=Workload)
     n_trials: int | None = None
     sampler: str = "auto"
@@ -117,7 +117,7 @@ class StudyConfig:
     reps: int | None = None  # overrides workload.reps when given
 
     def __post_init__(self) -> None:
-        if isinstance(self.objective, str) and self.objective in ("tg", "pp", "e2e"):
+        if isinstance(self.objective, str) and self.objective in OBJECTIVES:
             object.__setattr__(self, "objective", objective(self.objective))
         if self.reps is not None:
             object.__setattr__(self, "workload", replace(self.workload, reps=self.reps))
@@ -422,7 +422,7 @@ class StudyRunner:
         cfg.validate()
         for params in self.baselines.values():
             validate_params(params, fp, cfg.model)
-        space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, str(self.objective),
+        space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
                                        moe_layout(cfg.model), depth=cfg.workload.depth)
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
@@ -518,7 +518,7 @@ class StudyRunner:
         reference = full_offload(fp, self.cfg.model, self.space)
         defaults = self.baselines[learn.LLAMA_CPP]
         compact = compact_cache(defaults, self.space) if w.depth else None
-        prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, str(self.objective))
+        prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, self.objective)
         seen = set()
         for params in [p for p in (reference, defaults, compact, prediction, *self.cfg.warm_start)
                        if p is not None]:
@@ -681,7 +681,7 @@ class StudyRunner:
                 result.ok, result.error = False, "no samples for the objective"
                 result.failure_kind = FailureKind.NO_SAMPLES.value
             else:
-                e2e = learn.e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
+                e2e = e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
         return repo.FinishedTrial(job.row_id, result, value, e2e, self.target.node_ids.get(result.node_id or ""))
 
     def _store(self, finished: list[repo.FinishedTrial], jobs: list[Job]) -> None:

@@ -111,6 +111,39 @@ def test_there_is_no_import_circle():
     assert cycles(graph) == []
 
 
+OBJECTIVE_NAMES = {"tg", "pp", "e2e"}
+OBJECTIVE_WORDS = ("objective", "obj", "target")
+
+
+def objective_name_comparisons(source: str) -> list[str]:
+    """Comparisons of an objective with a name ("e2e" anywhere; "tg"/"pp", which also name the
+    measured rates, where the other side is an objective): the branches issue 21 item 3 removed."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = set()
+        for side in sides:
+            elts = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+            names |= {e.value for e in elts if isinstance(e, ast.Constant) and e.value in OBJECTIVE_NAMES}
+        others = " ".join(ast.unparse(s) for s in sides if not isinstance(s, ast.Constant | ast.Tuple | ast.List
+                                                                            | ast.Set)).lower()
+        if "e2e" in names or (names and any(word in others for word in OBJECTIVE_WORDS)):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_module_outside_the_objectives_compares_objective_names():
+    old = ('a = obj.name == "e2e"\nb = t.study.objective == "tg"\nc = objective != "e2e"\n'
+           'd = self.objective in ("tg", "pp", "e2e")\ne = target.name == "pp"\nf = kind == "pp"\n')
+    assert len(objective_name_comparisons(old)) == 5  # the scan sees the old code's forms, not a rate's kind
+    found = {str(p.relative_to(ROOT)): hits for package in ("workers", "orchestrator")
+             for p in (ROOT / package).rglob("*.py") if p.name != "objective.py"
+             and (hits := objective_name_comparisons(p.read_text()))}
+    assert found == {}
+
+
 def test_files_are_replaced_only_through_the_one_atomic_write():
     # workers/files.py: atomic_write and atomic_output; agent.py: a pushed model's temp file lives
     # across Ray calls; models.py: the GGUF writer names its own output (both via files.part_path or mkstemp)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass
 
 from workers.errors import BadInput
@@ -40,12 +41,21 @@ def e2e_seconds(pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen
 
 @dataclass(frozen=True)
 class Objective:
-    """One objective: ``name`` as the CLI and the database spell it."""
+    """One objective: ``name`` as the CLI and the database spell it, and what it is made of.
+
+    ``kinds``: the measured rates it combines, llama-bench's tests ("pp": prompt processing, "tg":
+    generation). One kind: its value is that rate (tok/s, higher is better). Several: its value is
+    the seconds one request of the workload takes at those rates (lower is better). Every question
+    about an objective is answered from these fields, never by comparing its name (rule 21.3).
+    """
 
     name: str
     direction: Direction
     unit: str
     description: str
+    kinds: tuple[str, ...]
+    rate_unit: str = "tok/s"  # the unit of ``rate``, as reports print it
+    workload_hint: str = ""  # what a workload must hold for it to measure anything
 
     def __str__(self) -> str:
         return self.name
@@ -54,20 +64,56 @@ class Objective:
     def maximize(self) -> bool:
         return self.direction is Direction.MAXIMIZE
 
+    @property
+    def needs_prompt(self) -> bool:
+        """Whether the prompt's processing is part of the objective (a prompt must be measured)."""
+        return "pp" in self.kinds
+
+    @property
+    def needs_generation(self) -> bool:
+        """Whether generation is part of the objective (generated tokens must be measured)."""
+        return "tg" in self.kinds
+
+    @property
+    def main_kind(self) -> str:
+        """The rate whose spread a trial's listing shows (the first the objective combines)."""
+        return self.kinds[0]
+
+    def _tokens(self, n_prompt: int, n_gen: int) -> tuple[int, int]:
+        return (n_prompt if self.needs_prompt else 0), (n_gen if self.needs_generation else 0)
+
     def value(self, pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
         """The optimised value of a measurement (median pp and tg rates); None when not measurable."""
-        if self.name == "tg":
-            return tg_tps
-        if self.name == "pp":
-            return pp_tps
-        return e2e_seconds(pp_tps, tg_tps, n_prompt, n_gen)
+        rates = {"pp": pp_tps, "tg": tg_tps}
+        if len(self.kinds) == 1:
+            return rates[self.kinds[0]]
+        return e2e_seconds(pp_tps, tg_tps, *self._tokens(n_prompt, n_gen))
 
     def rate(self, pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
-        """The same measurement as tokens per second (higher is better, whatever the direction)."""
-        if self.name == "e2e":
-            seconds = e2e_seconds(pp_tps, tg_tps, n_prompt, n_gen)
-            return (n_prompt + n_gen) / seconds if seconds else None
-        return self.value(pp_tps, tg_tps, n_prompt, n_gen)
+        """The same measurement as tokens per second (higher is better, whatever the direction):
+        a combined objective as its tokens over its seconds."""
+        value = self.value(pp_tps, tg_tps, n_prompt, n_gen)
+        if len(self.kinds) == 1:
+            return value
+        return sum(self._tokens(n_prompt, n_gen)) / value if value else None
+
+    def rate_spread(self, pp: list[float], tg: list[float], n_prompt: int, n_gen: int) -> dict | None:
+        """``rate`` of the medians of per-sample rates, with the lowest and highest it takes over
+        the samples (``{"value", "low", "high"}``); None when nothing it needs was measured."""
+        per_kind = {"pp": pp, "tg": tg}
+        if len(self.kinds) == 1:
+            rates = per_kind[self.kinds[0]]
+            if not rates:
+                return None
+            return {"value": statistics.median(rates), "low": min(rates), "high": max(rates)}
+        value = self.rate(statistics.median(pp) if pp else None, statistics.median(tg) if tg else None,
+                          n_prompt, n_gen)
+        if not value:
+            return None
+        ends = [self.rate(min(pp) if pp else None, min(tg) if tg else None, n_prompt, n_gen),
+                self.rate(max(pp) if pp else None, max(tg) if tg else None, n_prompt, n_gen)]
+        ends = [e for e in ends if e]
+        return {"value": value, "low": min(ends), "high": max(ends)}
 
     def better(self, a: float, b: float) -> bool:
         """Whether value ``a`` is strictly better than value ``b``."""
@@ -79,18 +125,17 @@ class Objective:
 
     def check_workload(self, n_prompt: int, n_gen: int) -> None:
         """Refuse a workload in which this objective measures nothing."""
-        if self.name == "tg" and n_gen < 1:
-            raise BadInput("objective tg needs --gen-tokens >= 1")
-        if self.name == "pp" and n_prompt < 1:
-            raise BadInput("objective pp needs --prompt-tokens >= 1")
-        if self.name == "e2e" and n_prompt + n_gen < 1:
-            raise BadInput("objective e2e needs prompt or generated tokens")
+        if sum(self._tokens(n_prompt, n_gen)) < 1:
+            raise BadInput(f"objective {self.name} needs {self.workload_hint}")
 
 
-TG = Objective("tg", Direction.MAXIMIZE, "tok/s", "generation speed (tokens per second)")
-PP = Objective("pp", Direction.MAXIMIZE, "tok/s", "prompt processing speed (tokens per second)")
-E2E = Objective("e2e", Direction.MINIMIZE, "s",
-                "seconds for one request: the prompt plus the generated tokens")
+TG = Objective("tg", Direction.MAXIMIZE, "tok/s", "generation speed (tokens per second)", ("tg",),
+               workload_hint="--gen-tokens >= 1")
+PP = Objective("pp", Direction.MAXIMIZE, "tok/s", "prompt processing speed (tokens per second)", ("pp",),
+               workload_hint="--prompt-tokens >= 1")
+E2E = Objective("e2e", Direction.MINIMIZE, "s", "seconds for one request: the prompt plus the generated tokens",
+                ("pp", "tg"), rate_unit="tok/s (prompt+gen tokens / e2e seconds)",
+                workload_hint="prompt or generated tokens")
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (TG, PP, E2E)}
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 

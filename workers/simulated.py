@@ -69,6 +69,8 @@ from workers.models import (
     named_model,
     read_model_info,
 )
+from workers.objective import TG, Objective
+from workers.objective import objective as named_objective
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
 
 # Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
@@ -549,32 +551,23 @@ def search_grid(chip: Fingerprint, shape: ModelInfo, batch_choices=(128, 256, 51
                                           n_ubatch=min(512, batch), flash_attn=fa, type_k=type_k, type_v=type_v)
 
 
-def optimum(chip: Fingerprint, shape: ModelInfo, objective: str = "tg", n_prompt: int = 512,
+def optimum(chip: Fingerprint, shape: ModelInfo, objective: Objective | str = TG, n_prompt: int = 512,
             n_gen: int = 128, scenario: str = "calibrated", depth: int = 0) -> tuple[BenchParams, Prediction, float]:
     """The exhaustive-grid best configuration for tg, pp or e2e (value: tok/s, or s for e2e)."""
-    from workers.objective import objective as named_objective
-
-    named_objective(objective).check_workload(n_prompt, n_gen)  # tg of 0 tokens has no optimum
+    target = named_objective(objective)
+    target.check_workload(n_prompt, n_gen)  # tg of 0 tokens has no optimum
     best = None
     for params in search_grid(chip, shape, depth=depth):
         pred = predict(chip, shape, params, n_prompt, n_gen, scenario, depth=depth)
         if not pred.fits:
             continue
-        value = _objective(pred, objective, n_prompt, n_gen)
-        better = best is None or (value < best[2] if objective == "e2e" else value > best[2])
+        value = target.value(pred.pp_tps, pred.tg_tps, n_prompt, n_gen)
+        better = best is None or target.better(value, best[2])
         if better:
             best = (params, pred, value)
     if best is None:
         raise BadInput(f"{shape.shape_name} does not fit on {chip.label} in any configuration")
     return best
-
-
-def _objective(pred: Prediction, objective: str, n_prompt: int, n_gen: int) -> float:
-    if objective == "tg":
-        return pred.tg_tps
-    if objective == "pp":
-        return pred.pp_tps
-    return n_prompt / pred.pp_tps + n_gen / pred.tg_tps
 
 
 # ---------------------------------------------------------------- the worker backend

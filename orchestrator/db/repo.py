@@ -699,6 +699,6 @@ def comparable_results(session: Session) -> list[tuple]:
         .where(Trial.state == "complete", Trial.node_id.is_not(None), Trial.objective_value.is_not(None))
     )
     return [
-        (study_id, json.dumps(params, sort_keys=True), node_id, value, objective != "e2e")
+        (study_id, json.dumps(params, sort_keys=True), node_id, value, OBJECTIVES[objective].maximize)
         for study_id, params, node_id, value, objective in rows
     ]
