@@ -32,3 +32,12 @@ def test_only_the_database_package_imports_sqlalchemy():
 
 def test_workers_never_import_the_orchestrator():
     assert importers("workers", "orchestrator") == []
+
+
+def test_the_head_validates_parameters_without_the_measuring_module():
+    """Parameters are checked by the knob table (workers/knobs.py, a leaf); only the `bench` command,
+    which measures on this machine, imports workers/bench.py."""
+    assert importers("orchestrator", "workers.bench") == ["orchestrator/cli.py"]
+    assert imported_modules(ROOT / "workers" / "knobs.py") <= {"__future__", "collections.abc", "dataclasses",
+                                                               "os", "workers.errors"}
+    assert "workers.knobs" in imported_modules(ROOT / "orchestrator" / "studies.py")

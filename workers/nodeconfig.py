@@ -21,15 +21,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from workers import knobs
 from workers.errors import BadInput
 from workers.paths import data_dir
 from workers.trial import BenchParams, llama_cpp_python_code
 
 KEYS = {"version", "rollout_id", "model_sha256", "model_name", "objective", "params", "expected_tps"}
 OPTIONAL_KEYS = {"workload", "source"}  # the recommendation's n_prompt/n_gen; "recommendation" or "pin"
-PARAM_BOUNDS = {"n_gpu_layers": (0, 1000), "n_threads": (1, 1024), "n_batch": (1, 65536),
-                "n_ubatch": (1, 65536)}
-OTHER_PARAMS = {"flash_attn", "n_threads_batch", "type_k", "type_v", "n_cpu_moe", "op_offload"}
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[\w.\-+ ]{1,200}$")
 FORMATS = ("json", "flags", "ollama", "python")
@@ -60,18 +58,7 @@ def validate(payload: dict) -> dict:
     expected = payload["expected_tps"]
     if not isinstance(expected, int | float) or not 0 < expected < 1e7:
         raise BadInput("config expected_tps must be a positive number")
-    params = payload["params"]
-    if not isinstance(params, dict) or not set(params) <= set(PARAM_BOUNDS) | OTHER_PARAMS:
-        raise BadInput("config params has unknown keys")
-    for key, (low, high) in PARAM_BOUNDS.items():
-        value = params.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
-    if params.get("n_threads_batch") is not None and not 1 <= int(params["n_threads_batch"]) <= 1024:
-        raise BadInput("config params.n_threads_batch out of range")
-    if params.get("flash_attn", False) not in (True, False, "auto"):
-        raise BadInput("config params.flash_attn must be true, false or \"auto\"")
-    BenchParams.from_dict(params)  # the KV cache types and the rest: BadInput when out of range
+    knobs.validate_params(payload["params"])
     return payload
 
 
