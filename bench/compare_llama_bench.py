@@ -29,11 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.bench import cpu_only, measure, validate_params, validate_workload  # noqa: E402
+from workers.bench import cpu_only, measure  # noqa: E402
 from workers.errors import BadInput  # noqa: E402
 from workers.hardware import Fingerprint, fingerprint_live  # noqa: E402
+from workers.knobs import check_on_node  # noqa: E402
 from workers.models import read_model_info  # noqa: E402
-from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
+from workers.trial import BenchParams, TrialSpec, Workload, validate_workload  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def main() -> int:
     try:
         cases = [parse_case(text, model.n_layer, fp) for text in args.config]
         for case in cases:
-            validate_params(case.params, fp, model)
+            check_on_node(case.params, fp, model)
             validate_workload(Workload(args.p, args.n, args.r, depth=case.depth), model)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orchestrator import dispatch
 from orchestrator.report import FORMATS, Column, human_bytes, human_params, render, render_record
-from workers import fleet_token, join, nodeconfig, serve
+from workers import fleet_token, join, knobs, nodeconfig, serve
 from workers import service as svc
 from workers.bench import bench_local, default_threads
 from workers.errors import BadInput, FleettuneError
@@ -32,7 +32,7 @@ from workers.hardware import fingerprint_from_dir, fingerprint_live
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 from workers.objective import OBJECTIVE_NAMES, OBJECTIVES
 from workers.objective import objective as objective_named
-from workers.trial import KV_TYPES, BenchParams, Workload, llama_cpp_python_code
+from workers.trial import BenchParams, Workload, llama_cpp_python_code
 
 # llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
 EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
@@ -125,19 +125,35 @@ output_file_option = _reusable("-o", "--output", dest="out", type=click.Path(dir
 format_option = _reusable("--format", dest="fmt", type=click.Choice(FORMATS), default="table",
                           show_default=True, help="Output format.")
 # the bench parameters and workload of a trial
-ngl_option = _reusable("--ngl", "-ngl", type=str, default="0", show_default=True,
-                       help="Layers offloaded to the GPU; 99, -1 or all: every layer (read as llama.cpp "
-                            "reads it; what is printed is the effective count).")
-threads_batch_option = _reusable("-tb", "--threads-batch", type=click.IntRange(min=1),
-                                 help="Prompt threads (default: -t).")
-cache_type_k_option = _reusable("-ctk", "--cache-type-k", type=click.Choice(KV_TYPES), default="f16",
-                                show_default=True, help="K cache type.")
-cache_type_v_option = _reusable("-ctv", "--cache-type-v", type=click.Choice(KV_TYPES), default="f16",
-                                show_default=True, help="V cache type (quantized only with -fa on).")
-threads_option = _reusable("-t", "--threads", type=int, help="CPU threads (default: physical cores).")
-batch_option = _reusable("-b", "--batch", default=2048, show_default=True, help="Logical batch size.")
-ubatch_option = _reusable("--ub", "-ub", dest="ubatch", type=int,
-                          help="Physical batch size (default: min(512, batch)).")
+LEGACY_NAMES = {"n_gpu_layers": ("--ngl",), "n_batch": ("--batch",), "n_ubatch": ("--ub",)}  # fleettune's own
+
+
+def knob_options(*fields: str, defaults: dict[str, str] | None = None) -> Callable:
+    """One click option per knob of workers/knobs.py (its llama.cpp spellings, help and default),
+    taken as words and read by the table's one parser: the command gets ``knob_flags``, the given
+    ones as llama.cpp flags (llama-bench's ``-nopo 0|1`` form for switches)."""
+    defaults = defaults or {}
+
+    def decorate(command: Callable) -> Callable:
+        @functools.wraps(command)
+        def with_flags(*args, **kwargs):
+            words = [(knobs.knob(name), kwargs.pop(name)) for name in fields]
+            text = " ".join(f"{knob.cli_names[0]} {value}" for knob, value in words if value is not None)
+            return command(*args, knob_flags=text, **kwargs)
+
+        for name in reversed(fields):
+            knob = knobs.knob(name)
+            default = defaults.get(name)
+            shown = default if default is not None else knob.default
+            with_flags = click.option(
+                *knob.cli_names, *LEGACY_NAMES.get(name, ()), name, default=default,
+                metavar="0|1" if knob.type is bool else "|".join(knob.choices) if knob.choices else "N",
+                help=f"{knob.help} [default: {'none' if shown is None else shown}]")(with_flags)
+        return with_flags
+
+    return decorate
+
+
 prompt_tokens_option = _reusable("-p", "--prompt-tokens", default=512, show_default=True,
                                  help="pp test tokens (0: skip).")
 gen_tokens_option = _reusable("-n", "--gen-tokens", default=128, show_default=True, help="tg test tokens (0: skip).")
@@ -309,14 +325,7 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@ngl_option()
-@threads_option()
-@threads_batch_option()
-@batch_option()
-@ubatch_option()
-@flash_attn_option()
-@cache_type_k_option()
-@cache_type_v_option()
+@knob_options(*knobs.BY_FIELD, defaults={"n_gpu_layers": "0"})
 @prompt_tokens_option()
 @gen_tokens_option()
 @depth_option()
@@ -324,17 +333,15 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 @timeout_option(help="Seconds before the trial is killed.")
 @db_option
 @output_options()
-def bench(model_ref, ngl, threads, threads_batch, batch, ubatch, flash_attn, cache_type_k, cache_type_v,
-          prompt_tokens, gen_tokens, depth, reps, timeout, db_url, fmt) -> None:
+def bench(model_ref, knob_flags, prompt_tokens, gen_tokens, depth, reps, timeout, db_url, fmt) -> None:
     """Measure one configuration on this machine (llama-bench's method and table)."""
     from orchestrator import registry
     from orchestrator.llamabench import BENCH_LAYOUT, bench_rows
 
     info = registry.resolve(_open_db(db_url), model_ref)
-    threads = threads or default_threads(fingerprint_live())
-    flags = (f"-ngl {ngl} -t {threads} -tb {threads_batch or threads} -b {batch} "
-             f"-ub {ubatch or min(512, batch)} -fa {flash_attn} -ctk {cache_type_k} -ctv {cache_type_v}")
-    params = BenchParams.from_llama_flags(flags, info.n_layer)
+    given = knobs.parse_flags(knob_flags, info.n_layer)
+    threads = given.get("n_threads") or default_threads(fingerprint_live())
+    params = BenchParams.from_llama_flags(knob_flags, info.n_layer, base=BenchParams(n_threads=threads))
     workload = Workload(prompt_tokens, gen_tokens, reps, depth=depth)
     fp, result = bench_local(info, params, workload, timeout)
     click.echo(render(bench_rows(info, fp, params, result, depth), BENCH_LAYOUT, fmt))
@@ -873,9 +880,8 @@ def _saved(figure, out: str) -> None:
 @plot.command("heatmap")
 @study_option(required=True)
 @click.option("--metric", type=click.Choice(["tg", "pp", "objective"]), default="tg", show_default=True)
-@click.option("--x", "x_axis", type=click.Choice(["threads", "ngl", "batch", "ubatch"]), default="threads",
-              show_default=True)
-@click.option("--y", "y_axis", type=click.Choice(["ngl", "threads", "batch", "ubatch"]),
+@click.option("--x", "x_axis", type=click.Choice(list(knobs.PLOT_AXES)), default="threads", show_default=True)
+@click.option("--y", "y_axis", type=click.Choice(list(knobs.PLOT_AXES)),
               help="Default: ngl, or batch where the GPU takes no layers.")
 @_plot_output
 @db_option
@@ -1155,26 +1161,14 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 
 @sim.command("predict")
 @sim_options
-@ngl_option(default="99")
-@threads_option(type=click.IntRange(1, 4096), default=8, show_default=True, help=None)
-@batch_option(type=click.IntRange(1, MAX_TOKENS), default=512, help=None)
-@ubatch_option(type=click.IntRange(1, MAX_TOKENS), help="Physical batch (default: min(512, batch)).")
-@threads_batch_option(type=click.IntRange(1, 4096))
-@flash_attn_option()
-@cache_type_k_option()
-@cache_type_v_option()
-@click.option("-ncmoe", "--n-cpu-moe", type=click.IntRange(0, 9999), default=0, show_default=True,
-              help="Layers whose experts stay on the CPU (MoE shapes).")
+@knob_options(*knobs.BY_FIELD, defaults={"n_gpu_layers": "99", "n_threads": "8", "n_batch": "512"})
 @output_options()
-def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth, scenario, ngl, threads, batch,
-                ubatch, threads_batch, flash_attn, cache_type_k, cache_type_v, n_cpu_moe, fmt) -> None:
+def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth, scenario, knob_flags, fmt) -> None:
     """Noiseless pp and tg tokens/s of one configuration on a chip bin."""
     from workers import simulated
 
     chip, shape = _sim_target(chip_text, model_shape, quant)
-    params = BenchParams.from_llama_flags(f"-ngl {ngl}", shape.n_layer, base=BenchParams(
-        n_threads=threads, n_batch=batch, n_ubatch=ubatch or min(512, batch), n_threads_batch=threads_batch,
-        flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, n_cpu_moe=n_cpu_moe))
+    params = BenchParams.from_llama_flags(knob_flags, shape.n_layer)
     if params.kv_problem:
         raise BadInput(params.kv_problem)
     pred = simulated.predict(chip, shape, params, prompt_tokens, gen_tokens, scenario, depth=depth)

@@ -35,10 +35,11 @@ from orchestrator.report import (
     human_params,
     register,
 )
+from workers import knobs
 from workers.errors import BadInput
 from workers.hardware import Fingerprint, make_chip_key
 from workers.models import ModelInfo
-from workers.trial import KV_TYPES, BenchParams, Sample, TrialResult
+from workers.trial import BenchParams, Sample, TrialResult
 
 # llama-bench's own field order (tools/llama-bench: test::get_fields), then its two sample lists.
 FIELDS = [
@@ -363,14 +364,6 @@ def _samples_ns(record: dict) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _cache_type(record: dict, key: str) -> str:
-    """A KV cache type fleettune searches (f16 where the record has none)."""
-    value = str(record.get(key) or "f16").strip().lower()
-    if value not in KV_TYPES:
-        raise ValueError(f"{key} {value[:20]!r}: fleettune knows {', '.join(KV_TYPES)}")
-    return value
-
-
 def parse_record(line: int, record: dict) -> BenchRow:
     """A checked row; ValueError says why a record cannot be imported."""
     for key in REQUIRED:
@@ -390,21 +383,19 @@ def parse_record(line: int, record: dict) -> BenchRow:
     if stddev_ts < 0:
         raise ValueError(f"stddev_ts {stddev_ts!r} is negative")
     samples = _samples_ns(record)
-    ngl = _int(record, "n_gpu_layers", lo=-1)
-    n_batch, n_ubatch = _int(record, "n_batch", lo=-1), _int(record, "n_ubatch", lo=-1)
+    for key in ("n_gpu_layers", "n_batch", "n_ubatch", "n_threads"):
+        _int(record, key, lo=-1)  # whole numbers within int32, before the table reads them
+    values = knobs.from_bench_fields(record)  # every knob llama-bench has a field for
     backends = _text(record, "backends")
     if backends.strip().upper() == "CPU":
-        ngl = 0  # a CPU-only build offloads nothing, whatever -ngl said (fleettune's CPU studies say 0)
-    elif ngl == -1:
-        ngl = ALL_LAYERS  # llama-bench's default -ngl -1: every layer
-    params = BenchParams(
-        n_gpu_layers=ngl, n_threads=_int(record, "n_threads", lo=-1), n_batch=n_batch,
-        n_ubatch=min(n_ubatch, n_batch),  # llama.cpp clamps the micro-batch to the batch
-        flash_attn={-1: "auto", 0: "off", 1: "on"}[_int(record, "flash_attn", 0, lo=-1, hi=1)],
-        type_k=_cache_type(record, "type_k"), type_v=_cache_type(record, "type_v"),
-    )
-    if min(params.n_gpu_layers, params.n_threads - 1, params.n_batch - 1, params.n_ubatch - 1) < 0:
+        values["n_gpu_layers"] = 0  # a CPU-only build offloads nothing, whatever -ngl said
+    elif values["n_gpu_layers"] == -1:
+        values["n_gpu_layers"] = ALL_LAYERS  # llama-bench's default -ngl -1: every layer
+    values["n_ubatch"] = min(values["n_ubatch"], values["n_batch"])  # llama.cpp clamps the micro-batch
+    if min(values["n_gpu_layers"], values["n_threads"] - 1, values["n_batch"] - 1, values["n_ubatch"] - 1,
+           values.get("n_cpu_moe", 0)) < 0:
         raise ValueError("out-of-range parameters")
+    params = BenchParams(**values)
     model_type = _text(record, "model_type")
     words = model_type.split()
     if words and (len(words[0]) > 60 or len(words[-1]) > 40):
@@ -600,18 +591,17 @@ def llama_bench_record(*, params: BenchParams, kind: str, samples: list[tuple[in
         build_commit=build_commit, build_number=0, cpu_info=cpu_info, gpu_info=gpu_info,
         backends=BACKEND_NAMES.get(backend or "", "CPU"), model_filename=model_filename,
         model_type=model_type, model_size=model_size, model_n_params=model_n_params,
-        n_batch=params.n_batch, n_ubatch=params.n_ubatch, n_threads=params.n_threads,
-        cpu_mask="0x0", cpu_strict=False, poll=50, type_k=params.type_k, type_v=params.type_v,
-        n_gpu_layers=params.n_gpu_layers, n_cpu_moe=params.n_cpu_moe, split_mode="layer", main_gpu=0,
-        no_kv_offload=False, flash_attn={"off": 0, "on": 1, "auto": -1}[params.flash_attn], devices="auto",
+        cpu_mask="0x0", cpu_strict=False, poll=50, split_mode="layer", main_gpu=0,
+        no_kv_offload=False, devices="auto",
         tensor_split="0.00", tensor_buft_overrides="none", load_mode="mmap", lazy_mode="auto", embeddings=False,
-        no_op_offload=int(not params.op_offload), no_host=False, repack=True, fit_target=0, fit_min_ctx=0,
+        no_host=False, repack=True, fit_target=0, fit_min_ctx=0,
         n_prompt=n_tokens if kind == "pp" else 0, n_gen=n_tokens if kind == "tg" else 0,
         n_depth=depth, test_time=test_time,
         avg_ns=int(statistics.fmean(ns)), stddev_ns=int(statistics.stdev(ns)) if len(ns) > 1 else 0,
         avg_ts=statistics.fmean(ts), stddev_ts=statistics.stdev(ts) if len(ts) > 1 else 0.0,
         samples_ns=ns, samples_ts=ts,
     )
+    record.update(knobs.bench_fields(params))  # every knob llama-bench has a field for (the table's)
     return record
 
 

@@ -18,11 +18,12 @@ from orchestrator import queries
 from orchestrator.db import Database
 from workers.errors import BadInput
 from workers.files import atomic_output
+from workers.knobs import PLOT_AXES
 from workers.objective import objective
 
 METRICS = {"tg": ("tg_tps", "generation tok/s"), "pp": ("pp_tps", "prompt tok/s"),
            "objective": ("objective_value", None)}
-AXES = {"ngl": "n_gpu_layers", "threads": "n_threads", "batch": "n_batch", "ubatch": "n_ubatch"}
+AXES = PLOT_AXES
 OUTPUT_SUFFIXES = (".png", ".html")
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from orchestrator import dispatch
 from orchestrator.db import Database, repo
-from workers import agent
+from workers import agent, knobs
 from workers.errors import BadInput
 from workers.models import ModelInfo
 from workers.nodeconfig import NodeConfig, ServedWorkload, validate_params
@@ -63,42 +63,22 @@ class ChipPlan:
     simulated: bool
 
 
-FLAGS = {"-ngl": "n_gpu_layers", "--n-gpu-layers": "n_gpu_layers", "-t": "n_threads", "--threads": "n_threads",
-         "-tb": "n_threads_batch", "--threads-batch": "n_threads_batch", "-b": "n_batch", "--batch-size": "n_batch",
-         "-ub": "n_ubatch", "--ubatch-size": "n_ubatch", "-fa": "flash_attn", "--flash-attn": "flash_attn"}
-
-
-def parse_pin(text: str) -> dict:
-    """An operator's pin, "-ngl 99 -t 4 -b 512" (llama.cpp's flags), as params; bounds checked."""
-    from workers import nodeconfig
-
-    words = text.split()
-    if not words or len(words) % 2:
-        raise BadInput(f"--params {text!r}: expected flag/value pairs such as '-ngl 99 -t 4 -b 512'")
-    out: dict = {}
-    for flag, value in zip(words[::2], words[1::2], strict=True):
-        key = FLAGS.get(flag)
-        if key is None:
-            raise BadInput(f"--params: unknown flag {flag!r}; known: {', '.join(sorted(FLAGS))}")
-        if key == "flash_attn":
-            if value not in ("on", "off", "1", "0"):
-                raise BadInput(f"--params: {flag} takes on or off, not {value!r}")
-            out[key] = value in ("on", "1")
-            continue
-        if not value.isdigit():
-            raise BadInput(f"--params: {flag} takes a whole number, not {value!r}")
-        out[key] = int(value)
-        low, high = nodeconfig.PARAM_BOUNDS.get(key, (1, 1024))
-        if not low <= out[key] <= high:
-            raise BadInput(f"--params: {flag} {value} out of range {low}..{high}")
-    return out
+def parse_pin(text: str, n_layer: int | None = None) -> dict:
+    """An operator's pin, "-ngl 99 -t 4 -b 512 -ctk q8_0 -fa auto" (flags of any llama.cpp tool, read
+    by the knob table), as the stored params it sets; ``n_layer``: the model's, for -ngl all."""
+    if not text.split():
+        raise BadInput(f"--params {text!r}: expected flags such as '-ngl 99 -t 4 -b 512'")
+    try:
+        return knobs.stored_form(knobs.parse_flags(text, n_layer))
+    except BadInput as exc:
+        raise BadInput(f"--params: {exc}") from None
 
 
 def _payload(rec, model: ModelInfo, objective: str, version: int, rollout_id: int, pin: dict | None = None
              ) -> dict:
     """A chip's config: the recommendation's, or an operator's pin over it (judged against the same
     expected figure: a pin must do at least as well as the recommendation it replaces)."""
-    params = BenchParams.from_dict({**rec.params, **(pin or {})})
+    params = BenchParams.from_dict(knobs.over(rec.params, pin or {}))
     if pin and "n_ubatch" not in pin:
         params = BenchParams.from_dict({**params.to_dict(), "n_ubatch": min(params.n_ubatch, params.n_batch)})
     return NodeConfig(version=version, rollout_id=rollout_id, model_sha256=model.sha256, model_name=model.name,
@@ -141,6 +121,18 @@ def plan(db: Database, model: ModelInfo, objective: str = "tg", chips: list[str]
         raise BadInput(f"nothing to roll out for {model.name}: no chip has both a recommendation "
                        f"({objective}) and a live node")
     return out
+
+
+def refuse_unservable(plans: list[ChipPlan], applier: Applier) -> None:
+    """BadInput, one line, where a node's server kind cannot apply its chip's config (the
+    llama-cpp-python server has no field for -ncmoe or --no-op-offload): refused, never dropped."""
+    for p in plans:
+        params = BenchParams.from_dict(p.payload["params"])
+        for node_id in p.nodes:
+            status = applier.serve_status(node_id)
+            problem = knobs.unservable(params, status.get("kind", "")) if status else None
+            if problem:
+                raise BadInput(f"node {node_id[:12]} ({p.chip_key}): {problem}")
 
 
 class Applier:
@@ -226,11 +218,13 @@ def start(db: Database, model: ModelInfo, *, objective: str = "tg", chips: list[
     with db.session() as s:
         unfinished = repo.unfinished_rollout(s, model.sha256)
         rollout_id = unfinished.id if unfinished else None
-    pinned = parse_pin(pin) if pin else None
+    pinned = parse_pin(pin, model.n_layer) if pin else None
     if rollout_id is not None and pinned:
         raise BadInput(f"rollout {rollout_id} of this model is unfinished: resume or roll it back first")
+    applier = applier or Applier()
     if rollout_id is None:
         plans = plan(db, model, objective, chips, canary_share, pinned)
+        refuse_unservable(plans, applier)
         nodes = []
         for p in plans:
             wave = max(p.n_canary, 1)
@@ -242,7 +236,7 @@ def start(db: Database, model: ModelInfo, *, objective: str = "tg", chips: list[
                 source="pin" if pinned else "recommendation", canary_share=canary_share, tolerance=tolerance,
                 plan={p.chip_key: p.payload for p in plans}, nodes=nodes)
     on_step = on_step or (lambda text: None)
-    run(db, rollout_id, model, applier or Applier(), on_step)
+    run(db, rollout_id, model, applier, on_step)
     publish(db, on_step)
     return rollout_id
 

@@ -24,6 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 from orchestrator.space import SearchSpace
 from orchestrator.tpe_scoring import DiscreteScorer
 from workers.errors import BadInput
+from workers.knobs import optuna_name
 
 SAMPLER_NAMES = ("auto", "tpe", "gp", "random", "grid", "seed-scan")
 DEFAULT_SAMPLER = "auto"  # gp for small fleets where torch is installed (fewest trials), else tpe
@@ -47,6 +48,8 @@ def resolve_sampler(name: str, n_nodes: int = 1) -> str:
     return "gp"
 
 
+NGL, THREADS, BATCH, UBATCH = (optuna_name(f) for f in ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch"))
+
 class SeedScanSampler(BaseSampler):
     """Scan threads at ngl 0 (default batch), then ngl at the best threads, then repeat the best.
 
@@ -59,7 +62,7 @@ class SeedScanSampler(BaseSampler):
         batch = 512 if 512 in space.batch_choices else max(space.batch_choices)
         self.batch = batch
         self.thread_scan = [
-            {"ngl": 0, "threads": t, "batch": batch, "ubatch": batch}
+            {NGL: 0, THREADS: t, BATCH: batch, UBATCH: batch}
             for t in range(1, space.threads_max + 1)
         ]
         if space.ngl_max > 0:
@@ -88,11 +91,11 @@ class SeedScanSampler(BaseSampler):
         if index < len(self.thread_scan):
             plan = self.thread_scan[index]
         else:
-            best_t = self._best(trials, lambda t: t.params.get("ngl", 0) == 0)
-            threads = best_t.params["threads"] if best_t else max(1, self.space.threads_max // 2)
+            best_t = self._best(trials, lambda t: t.params.get(NGL, 0) == 0)
+            threads = best_t.params[THREADS] if best_t else max(1, self.space.threads_max // 2)
             k = index - len(self.thread_scan)
             if k < len(self.ngl_values):
-                plan = {"ngl": self.ngl_values[k], "threads": threads, "batch": self.batch, "ubatch": self.batch}
+                plan = {NGL: self.ngl_values[k], THREADS: threads, BATCH: self.batch, UBATCH: self.batch}
             else:
                 best = self._best(trials, lambda t: True)
                 plan = dict(best.params) if best else self.thread_scan[0]

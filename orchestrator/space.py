@@ -36,11 +36,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from workers.hardware import Fingerprint
+from workers.knobs import BY_FIELD as _K
 from workers.models import ModelInfo
 from workers.objective import TG, Objective
 from workers.objective import objective as objective_named
 from workers.trial import BenchParams
 
+_N = {name: knob.optuna_name for name, knob in _K.items()}  # each knob's Optuna parameter name
+SWITCHES = ()  # knobs searched by ``switches``: each on/off where for_target says it changes something
 MIN_BATCH = 32
 MAX_BATCH = 4096
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -121,6 +124,7 @@ class SearchSpace:
     op_offload: bool = False  # op offload searched on/off
     tune_batch: bool = True  # batch and ubatch searched (False: llama.cpp's defaults, clipped)
     threads_log: bool = False  # threads proposed on a log scale (1 -> 2 weighs as 8 -> 16)
+    switches: tuple[str, ...] = ()  # further knobs searched over all their choices in every trial
 
     @classmethod
     def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: Objective = TG,
@@ -161,7 +165,7 @@ class SearchSpace:
         """A stored space; keys it lacks take the defaults (what older studies searched)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        for key in ("batch_choices", "fa_modes", "cache_types"):
+        for key in ("batch_choices", "fa_modes", "cache_types", "switches"):
             if key in values:
                 values[key] = tuple(values[key])
         return cls(**values)
@@ -177,53 +181,58 @@ class SearchSpace:
     # -- Optuna side: names and distributions
 
     def suggest(self, trial) -> BenchParams:
-        """Ask an Optuna trial for one configuration in this space."""
-        ngl = trial.suggest_int("ngl", 0, self.ngl_max) if self.ngl_max > 0 else 0
-        threads = trial.suggest_int("threads", 1, self.threads_max, log=self.threads_log)
+        """Ask an Optuna trial for one configuration in this space (names and distributions: the
+        knob table's; this space says only when each knob is searched and within what)."""
+        ngl = _K["n_gpu_layers"].suggest(trial, 0, self.ngl_max) if self.ngl_max > 0 else 0
+        threads = _K["n_threads"].suggest(trial, 1, self.threads_max, log=self.threads_log)
         if self.tune_batch:
-            batch = trial.suggest_categorical("batch", list(self.batch_choices))
-            ubatch = min(trial.suggest_categorical("ubatch", list(self.batch_choices)), batch)
+            batch = _K["n_batch"].suggest(trial, choices=self.batch_choices)
+            ubatch = min(_K["n_ubatch"].suggest(trial, choices=self.batch_choices), batch)
         else:
             batch, ubatch = self.default_batch()
         values: dict = {}
         if self.flash_attn:
             values["flash_attn"] = "on" if trial.suggest_categorical("flash_attn", [False, True]) else "off"
         if self.fa_modes:
-            values["flash_attn"] = trial.suggest_categorical("fa", list(self.fa_modes))
+            values["flash_attn"] = _K["flash_attn"].suggest(trial, choices=self.fa_modes)
         if self.cache_types:
-            values["type_k"] = trial.suggest_categorical("type_k", list(self.cache_types))
+            values["type_k"] = _K["type_k"].suggest(trial, choices=self.cache_types)
             if values.get("flash_attn") == "on":  # a quantized V cache needs flash attention on
-                values["type_v"] = trial.suggest_categorical("type_v", list(self.cache_types))
+                values["type_v"] = _K["type_v"].suggest(trial, choices=self.cache_types)
         if self.threads_batch:
-            tb = trial.suggest_int("threads_batch", 1, self.threads_max, log=self.threads_log)
+            tb = _K["n_threads_batch"].suggest(trial, 1, self.threads_max, log=self.threads_log)
             values["n_threads_batch"] = None if tb == threads else tb
         if self.cpu_moe_max > 0 and ngl > 0:
-            values["n_cpu_moe"] = trial.suggest_int("cpu_moe", 0, self.cpu_moe_max)
+            values["n_cpu_moe"] = _K["n_cpu_moe"].suggest(trial, 0, self.cpu_moe_max)
         if self.op_offload:
-            values["op_offload"] = trial.suggest_categorical("op_offload", [True, False])
+            values["op_offload"] = _K["op_offload"].suggest(trial)
+        for name in self.switches:
+            values[name] = _K[name].suggest(trial)
         return BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch, n_ubatch=ubatch, **values)
 
     def optuna_params(self, params: BenchParams) -> dict:
         """The Optuna parameter values that propose ``params`` (for enqueueing known configs)."""
-        values: dict = {"threads": params.n_threads}
+        values: dict = {_N["n_threads"]: params.n_threads}
         if self.tune_batch:
-            values["batch"], values["ubatch"] = params.n_batch, params.n_ubatch
+            values[_N["n_batch"]], values[_N["n_ubatch"]] = params.n_batch, params.n_ubatch
         if self.ngl_max > 0:
-            values["ngl"] = params.n_gpu_layers
+            values[_N["n_gpu_layers"]] = params.n_gpu_layers
         if self.flash_attn:
             values["flash_attn"] = params.flash_attn == "on"
         if self.fa_modes:
-            values["fa"] = params.flash_attn
+            values[_N["flash_attn"]] = params.flash_attn
         if self.cache_types:
-            values["type_k"] = params.type_k
+            values[_N["type_k"]] = params.type_k
             if params.flash_attn == "on":
-                values["type_v"] = params.type_v
+                values[_N["type_v"]] = params.type_v
         if self.threads_batch:
-            values["threads_batch"] = params.threads_batch
+            values[_N["n_threads_batch"]] = params.threads_batch
         if self.cpu_moe_max > 0 and params.n_gpu_layers > 0:
-            values["cpu_moe"] = params.n_cpu_moe
+            values[_N["n_cpu_moe"]] = params.n_cpu_moe
         if self.op_offload:
-            values["op_offload"] = params.op_offload
+            values[_N["op_offload"]] = params.op_offload
+        for name in self.switches:
+            values[_N[name]] = getattr(params, name)
         return values
 
     def clip(self, params: BenchParams) -> BenchParams:
@@ -266,6 +275,7 @@ class SearchSpace:
             type_v=type_v,
             n_cpu_moe=min(max(params.n_cpu_moe, 0), self.cpu_moe_max) if ngl > 0 else 0,
             op_offload=params.op_offload if self.op_offload else True,
+            **{name: getattr(params, name) if name in self.switches else _K[name].default for name in SWITCHES},
         )
 
     def grid(self, max_axis: int = 8) -> dict[str, list]:
@@ -281,27 +291,29 @@ class SearchSpace:
             step = (high - low) / (max_axis - 1)
             return sorted({round(low + i * step) for i in range(max_axis)})
 
-        grid: dict[str, list] = {"threads": spread(1, self.threads_max)}
+        grid: dict[str, list] = {_N["n_threads"]: spread(1, self.threads_max)}
         if self.tune_batch:
-            grid["batch"] = list(self.batch_choices)[-4:]
-            grid["ubatch"] = ([min(512, max(self.batch_choices))]
+            grid[_N["n_batch"]] = list(self.batch_choices)[-4:]
+            grid[_N["n_ubatch"]] = ([min(512, max(self.batch_choices))]
                               if 512 in self.batch_choices or max(self.batch_choices) < 512
                               else [self.batch_choices[0]])
         if self.ngl_max > 0:
-            grid["ngl"] = spread(0, self.ngl_max)
+            grid[_N["n_gpu_layers"]] = spread(0, self.ngl_max)
         if self.flash_attn:
             grid["flash_attn"] = [False, True]
         if self.fa_modes:
-            grid["fa"] = [m for m in self.fa_modes if m != "auto"]
+            grid[_N["flash_attn"]] = [m for m in self.fa_modes if m != "auto"]
         if self.cache_types:
-            grid["type_k"] = ["f16", "q8_0"] if "q8_0" in self.cache_types else list(self.cache_types)
-            grid["type_v"] = ["f16"]  # asked only with flash attention on: one value, every trial can take
+            grid[_N["type_k"]] = ["f16", "q8_0"] if "q8_0" in self.cache_types else list(self.cache_types)
+            grid[_N["type_v"]] = ["f16"]  # asked only with flash attention on: one value, every trial can take
         if self.threads_batch:
-            grid["threads_batch"] = spread(1, self.threads_max)[-max_axis // 2:]
+            grid[_N["n_threads_batch"]] = spread(1, self.threads_max)[-max_axis // 2:]
         if self.cpu_moe_max:
-            grid["cpu_moe"] = [0]
+            grid[_N["n_cpu_moe"]] = [0]
         if self.op_offload:
-            grid["op_offload"] = [True, False]
+            grid[_N["op_offload"]] = list(_K["op_offload"].choices)
+        for name in self.switches:
+            grid[_N[name]] = list(_K[name].choices)
         return grid
 
     def size(self) -> int:
@@ -322,6 +334,8 @@ class SearchSpace:
             n *= self.cpu_moe_max + 1
         if self.op_offload:
             n *= 2
+        for name in self.switches:
+            n *= len(_K[name].choices)
         return n
 
 

@@ -48,12 +48,19 @@ from orchestrator.space import (
     predicted_optimum,
 )
 from orchestrator.stopping import StopRequest
-from workers.bench import validate_params, validate_workload
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
+from workers.knobs import check_on_node as validate_params
 from workers.models import ModelInfo
 from workers.objective import OBJECTIVES, TG, Objective, e2e_seconds, objective
-from workers.trial import BenchParams, FailureKind, TrialResult, TrialSpec, Workload
+from workers.trial import (
+    BenchParams,
+    FailureKind,
+    TrialResult,
+    TrialSpec,
+    Workload,
+    validate_workload,
+)
 
 POLL_S = 0.5
 ROUND_RESULTS = 16  # results collected per round before idle nodes get new trials

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 
 from tests.conftest import TINY
-from workers.bench import _describe_exit, measure, validate_params, validate_workload
+from workers.bench import _describe_exit, measure
 from workers.errors import BadInput
-from workers.trial import BenchParams, FailureKind, Stats, TrialSpec, Workload
+from workers.knobs import check_on_node
+from workers.trial import BenchParams, FailureKind, Stats, TrialSpec, Workload, validate_workload
 
 
 def _spec(model_info, params=None, workload=None, **kw) -> TrialSpec:
@@ -107,16 +108,16 @@ def test_parameters_the_backend_cannot_use_are_rejected(params, match, local_fin
     if local_fingerprint.gpu_offload and "GPU" in match:
         pytest.skip("this machine can offload")
     with pytest.raises(BadInput, match=match):
-        validate_params(params, local_fingerprint, model_info)
+        check_on_node(params, local_fingerprint, model_info)
 
 
 def test_ngl_beyond_the_model_is_rejected(model_info):
     from workers.hardware import Fingerprint
 
     gpu = Fingerprint(None, "x", None, 8, 4, 12, 38, None, None, None, None, None, "metal", True)
-    validate_params(BenchParams(n_gpu_layers=31, n_threads=1), gpu, model_info)  # 30 layers + output
+    check_on_node(BenchParams(n_gpu_layers=31, n_threads=1), gpu, model_info)  # 30 layers + output
     with pytest.raises(BadInput, match="0..31"):
-        validate_params(BenchParams(n_gpu_layers=32, n_threads=1), gpu, model_info)
+        check_on_node(BenchParams(n_gpu_layers=32, n_threads=1), gpu, model_info)
 
 
 def test_workload_limits(model_info):
@@ -241,7 +242,7 @@ def test_a_quantized_v_without_flash_attention_is_a_bad_config(model_info, local
     result = measure(_spec(model_info, params))
     assert not result.ok and result.kind is FailureKind.BAD_CONFIG and "-fa on" in result.error
     with pytest.raises(BadInput, match="needs flash attention on"):
-        validate_params(params, local_fingerprint, model_info)
+        check_on_node(params, local_fingerprint, model_info)
 
 
 def test_depth_slows_generation(model_info):

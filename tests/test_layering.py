@@ -151,3 +151,12 @@ def test_files_are_replaced_only_through_the_one_atomic_write():
     users = {str(p.relative_to(ROOT)) for package in ("workers", "orchestrator") for p in (ROOT / package).rglob("*.py")
              if "os.replace(" in p.read_text() or "mkstemp(" in p.read_text() or ".rename(" in p.read_text()}
     assert users <= allowed, users - allowed
+
+
+def test_the_head_validates_parameters_without_the_measuring_module():
+    """Parameters are checked by the knob table (workers/knobs.py, a leaf); only the `bench` command,
+    which measures on this machine, imports workers/bench.py."""
+    assert importers("orchestrator", "workers.bench") == ["orchestrator/cli.py"]
+    assert imported_modules(ROOT / "workers" / "knobs.py") <= {"__future__", "collections.abc", "dataclasses",
+                                                               "os", "workers.errors"}
+    assert "workers.knobs" in imported_modules(ROOT / "orchestrator" / "studies.py")

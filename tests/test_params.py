@@ -60,8 +60,9 @@ def test_flags_for_each_tool():
     bench = params.llama_cpp_flags("llama-bench")
     assert "-tb" not in bench and bench.endswith("-ncmoe 2 -nopo 1")  # llama-bench has no -tb
     assert BenchParams().llama_cpp_flags() == "-ngl 0 -t 1 -b 2048 -ub 512 -fa off"
+    assert params.llama_cpp_flags("llama-cli") == server  # llama-cli reads common/arg.cpp's flags too
     with pytest.raises(BadInput):
-        params.llama_cpp_flags("llama-cli")
+        params.llama_cpp_flags("llama-run")
 
 
 @pytest.mark.parametrize("tool", ["llama-server", "llama-bench"])

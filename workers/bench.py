@@ -34,48 +34,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from workers.errors import BadInput
+from workers import knobs
 from workers.hardware import Fingerprint
+from workers.knobs import check_on_node
 from workers.models import ModelInfo
 from workers.trial import (
-    GGML_TYPES,
     BenchParams,
     FailureKind,
     Sample,
     TrialResult,
     TrialSpec,
     Workload,
+    validate_workload,
 )
 
 MAX_BATCH = 1 << 16
 MODEL_CHANGED = "model changed"  # the failure reason when the file is not the spec's model
-
-
-def validate_params(params: BenchParams, fp: Fingerprint, model: ModelInfo | None) -> None:
-    """Reject what this node's llama.cpp cannot do, instead of letting it silently ignore it."""
-    if params.n_gpu_layers < 0:
-        raise BadInput(f"ngl {params.n_gpu_layers}: must be >= 0")
-    if params.n_gpu_layers > 0 and not fp.gpu_offload:
-        raise BadInput(
-            f"ngl {params.n_gpu_layers}: this node's llama.cpp has no GPU offload ({fp.backend}); use --ngl 0"
-        )
-    if model is not None and params.n_gpu_layers > model.n_layer + 1:
-        raise BadInput(
-            f"ngl {params.n_gpu_layers}: {model.name} has {model.n_layer} layers; "
-            f"use 0..{model.n_layer + 1} ({model.n_layer + 1} offloads everything)"
-        )
-    cores = fp.logical_cores or os.cpu_count() or 1
-    for name, value in (("threads", params.n_threads), ("threads-batch", params.threads_batch)):
-        if not 1 <= value <= cores:
-            raise BadInput(f"{name} {value}: must be 1..{cores} (logical cores of this node)")
-    if not 1 <= params.n_batch <= MAX_BATCH:
-        raise BadInput(f"batch {params.n_batch}: must be 1..{MAX_BATCH}")
-    if not 1 <= params.n_ubatch <= params.n_batch:
-        raise BadInput(f"ubatch {params.n_ubatch}: must be 1..batch ({params.n_batch})")
-    if params.kv_problem:
-        raise BadInput(params.kv_problem)
-    if params.n_cpu_moe < 0 or (model is not None and params.n_cpu_moe > model.n_layer):
-        raise BadInput(f"n-cpu-moe {params.n_cpu_moe}: must be 0..{model.n_layer if model else 'layers'}")
 
 
 def cpu_only(params: BenchParams, fp: Fingerprint, keep_op_offload: bool = False) -> BenchParams:
@@ -88,21 +62,6 @@ def cpu_only(params: BenchParams, fp: Fingerprint, keep_op_offload: bool = False
     if params.n_gpu_layers == 0 and fp.gpu_offload and not keep_op_offload:
         return dataclasses.replace(params, op_offload=False)
     return params
-
-
-def validate_workload(workload: Workload, model: ModelInfo | None) -> None:
-    if workload.n_prompt < 0 or workload.n_gen < 0 or workload.n_prompt + workload.n_gen == 0:
-        raise BadInput("prompt and gen tokens must be >= 0 and not both 0")
-    if workload.reps < 1:
-        raise BadInput(f"repetitions {workload.reps}: must be >= 1")
-    if workload.depth < 0:
-        raise BadInput(f"depth {workload.depth}: must be >= 0")
-    longest = workload.depth + max(workload.n_prompt, workload.n_gen)  # each test has its own context
-    if model and model.context_length and longest > model.context_length:
-        raise BadInput(
-            f"depth {workload.depth} + {max(workload.n_prompt, workload.n_gen)} tokens exceed "
-            f"{model.name}'s context ({model.context_length})"
-        )
 
 
 # ---------------------------------------------------------------- thermal state
@@ -176,7 +135,8 @@ class _Llama:
         from workers.llamacompat import model_params
 
         mparams = model_params(lib, path)  # extra CPU buffer types off where they crash
-        mparams.n_gpu_layers = params.n_gpu_layers
+        for name, value in knobs.library_params(params, "model").items():
+            setattr(mparams, name, value)
         if params.n_cpu_moe:
             mparams.tensor_buft_overrides = self._cpu_moe_overrides(params.n_cpu_moe)
         model = lib.llama_model_load_from_file(path.encode(), mparams)
@@ -210,17 +170,8 @@ class _Llama:
         lib = self.lib
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = params.n_batch
-        cparams.n_ubatch = params.n_ubatch
-        cparams.n_threads = params.n_threads
-        cparams.n_threads_batch = params.threads_batch
-        cparams.flash_attn_type = {
-            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-        }[params.flash_attn]
-        cparams.type_k = GGML_TYPES[params.type_k]
-        cparams.type_v = GGML_TYPES[params.type_v]
-        cparams.op_offload = params.op_offload
+        for name, value in knobs.library_params(params, "context").items():
+            setattr(cparams, name, value)
         cparams.no_perf = True
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
@@ -641,7 +592,7 @@ def bench_local(
     from workers.hardware import fingerprint_live
 
     fp = fingerprint_live()
-    validate_params(params, fp, model)
+    check_on_node(params, fp, model)
     validate_workload(workload, model)
     spec = TrialSpec(model.path, model.sha256, params, workload, timeout_s=timeout_s, trial_key="bench")
     return fp, measure(spec)

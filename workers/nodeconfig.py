@@ -25,18 +25,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers import knobs
 from workers.errors import BadInput
 from workers.files import atomic_write
 from workers.objective import Objective, objective
 from workers.paths import data_dir
-from workers.trial import KV_TYPES, BenchParams, llama_cpp_python_code
+from workers.trial import BenchParams, llama_cpp_python_code
 
 KEYS = ("version", "rollout_id", "model_sha256", "model_name", "objective", "params", "expected_tps")
 OPTIONAL_KEYS = ("workload", "source", "server")
 SOURCES = ("recommendation", "pin")
-PARAM_BOUNDS = {"n_gpu_layers": (0, 1000), "n_threads": (1, 1024), "n_batch": (1, 65536),
-                "n_ubatch": (1, 65536)}
-OPTIONAL_PARAM_BOUNDS = {"n_threads_batch": (1, 1024), "n_cpu_moe": (0, 1000)}
+REQUIRED_PARAMS = ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch")
 SERVER_PARAM_BOUNDS = {"n_ctx": (1, 1 << 20), "n_parallel": (1, 256)}  # server-only: context, slots
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[\w.\-+ ]{1,200}$")
@@ -54,26 +53,14 @@ def _is_int(value: object, low: int, high: int) -> bool:
 
 
 def validate_params(params: object) -> dict:
-    """The bench params of a node config, checked (rule 21.2: the one place the bounds are checked)."""
+    """The bench params of a node config, checked against the knob table (rule 21.2: the one place the
+    bounds are checked); the four a server always needs must be there."""
     if not isinstance(params, dict):
         raise BadInput("config params must be an object")
-    unknown = set(params) - set(PARAM_BOUNDS) - set(OPTIONAL_PARAM_BOUNDS) - {"flash_attn", "type_k", "type_v",
-                                                                              "op_offload"}
-    if unknown:
-        raise BadInput(f"config params has unknown keys {sorted(unknown)}")
-    for key, (low, high) in PARAM_BOUNDS.items():
-        if not _is_int(params.get(key), low, high):
-            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
-    for key, (low, high) in OPTIONAL_PARAM_BOUNDS.items():
-        if params.get(key) is not None and not _is_int(params[key], low, high):
-            raise BadInput(f"config params.{key} must be an integer in {low}..{high}")
-    if params.get("flash_attn", False) not in (True, False, "auto"):
-        raise BadInput("config params.flash_attn must be true, false or \"auto\"")
-    for key in ("type_k", "type_v"):
-        if params.get(key, "f16") not in KV_TYPES:
-            raise BadInput(f"config params.{key} must be one of {', '.join(KV_TYPES)}")
-    if params.get("op_offload", True) not in (True, False):
-        raise BadInput("config params.op_offload must be true or false")
+    knobs.validate_params(params)
+    missing = [key for key in REQUIRED_PARAMS if key not in params]
+    if missing:
+        raise BadInput(f"config params lacks {', '.join(missing)}")
     BenchParams.from_dict(params)
     return dict(params)
 

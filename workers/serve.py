@@ -43,7 +43,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers import nodeconfig
+from workers import knobs, nodeconfig
 from workers.errors import BadInput
 from workers.files import atomic_write
 from workers.nodeconfig import BadConfigFile, NodeConfig
@@ -458,10 +458,8 @@ def child_main(argv: list[str]) -> None:
     if not extra_buffers_usable(args.model):
         _without_extra_buffer_types()
     params = BenchParams.from_dict(json.loads(args.params))
-    settings = ModelSettings(model=args.model, model_alias=args.alias, n_gpu_layers=params.n_gpu_layers,
-                             n_threads=params.n_threads, n_threads_batch=params.n_threads_batch or params.n_threads,
-                             n_batch=params.n_batch, n_ubatch=params.n_ubatch, flash_attn=params.flash_attn != "off",
-                             n_ctx=N_CTX, verbose=False)
+    settings = ModelSettings(model=args.model, model_alias=args.alias, n_ctx=N_CTX, verbose=False,
+                             **knobs.server_settings(params))
     app = create_app(server_settings=ServerSettings(), model_settings=[settings])
     _warm(args.alias)
     sock = socket.socket(fileno=args.fd)

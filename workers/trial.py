@@ -9,12 +9,8 @@ import enum
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 
+from workers import knobs
 from workers.errors import BadInput
-
-FLASH_ATTN = ("off", "on", "auto")  # llama.cpp's values for -fa
-KV_TYPES = ("f16", "q8_0", "q4_0")  # the KV cache types searched (-ctk/-ctv)
-GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml.h's enum ggml_type, as llama_cpp.Llama takes them
-TOOLS = ("llama-bench", "llama-server")
 
 
 @dataclass(frozen=True)
@@ -41,11 +37,9 @@ class BenchParams:
         if isinstance(fa, int):  # old records: a bool; llama-bench's JSON: -1 (auto), 0, 1
             fa = {1: "on", 0: "off", -1: "auto"}.get(int(fa), fa)
             object.__setattr__(self, "flash_attn", fa)
-        if fa not in FLASH_ATTN:
-            raise BadInput(f"flash attention {fa!r}: must be one of {', '.join(FLASH_ATTN)}")
+        knobs.knob("flash_attn").check(fa, "flash attention")
         for name in ("type_k", "type_v"):
-            if getattr(self, name) not in KV_TYPES:
-                raise BadInput(f"{name} {getattr(self, name)!r}: must be one of {', '.join(KV_TYPES)}")
+            knobs.knob(name).check(getattr(self, name), name)
 
     @property
     def threads_batch(self) -> int:
@@ -64,11 +58,9 @@ class BenchParams:
         Studies compare and deduplicate configurations by this dict, so flash attention on/off is
         stored as the bool it always was and the newer fields only where they leave their default.
         """
-        out = asdict(self)
-        if self.flash_attn != "auto":
-            out["flash_attn"] = self.flash_attn == "on"
+        out = knobs.stored_form(asdict(self))
         for f in fields(self):
-            if f.name in _NEW_FIELDS and out[f.name] == f.default:
+            if f.name not in _STORED_ALWAYS and out[f.name] == f.default:
                 del out[f.name]
         return out
 
@@ -78,51 +70,19 @@ class BenchParams:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def llama_cpp_flags(self, tool: str = "llama-server") -> str:
-        """The same configuration as flags ``llama-bench`` or ``llama-server`` accept as they are.
-
-        llama-server takes ``-tb`` and a bare ``--no-op-offload``; llama-bench has no ``-tb`` (it runs
-        prompt and generation on ``-t`` threads) and takes ``-nopo 1``. Defaults are left out except
-        -ngl -t -b -ub -fa, which always print (llama.cpp's own defaults for them differ from ours).
-        """
-        if tool not in TOOLS:
-            raise BadInput(f"tool {tool!r}: must be one of {', '.join(TOOLS)}")
-        flags = [f"-ngl {self.n_gpu_layers}", f"-t {self.n_threads}"]
-        if tool == "llama-server" and self.n_threads_batch and self.n_threads_batch != self.n_threads:
-            flags.append(f"-tb {self.n_threads_batch}")
-        flags += [f"-b {self.n_batch}", f"-ub {self.n_ubatch}", f"-fa {self.flash_attn}"]
-        if self.type_k != "f16":
-            flags.append(f"-ctk {self.type_k}")
-        if self.type_v != "f16":
-            flags.append(f"-ctv {self.type_v}")
-        if self.n_cpu_moe:
-            flags.append(f"-ncmoe {self.n_cpu_moe}")
-        if not self.op_offload:
-            flags.append("-nopo 1" if tool == "llama-bench" else "--no-op-offload")
-        return " ".join(flags)
+        """The same configuration as flags ``tool`` (llama-bench, llama-server, llama-cli) accepts as
+        they are (workers/knobs.py: llama-bench has no ``-tb`` and takes ``-nopo 1``, llama-server a
+        bare ``--no-op-offload``; knobs at their default are left out except -ngl -t -b -ub -fa)."""
+        return knobs.flags(self, tool)
 
     def llama_cpp_python_kwargs(self) -> dict:
         """The same configuration as keyword arguments of ``llama_cpp.Llama`` (llama-cpp-python 0.3.36).
 
         Its ``flash_attn`` is a bool with no "auto"; llama.cpp's auto turns flash attention on for
         every layer whose device runs it (CPU, Metal and CUDA all do), so "auto" is given as True.
-        ``n_cpu_moe`` has no keyword there (llama.cpp implements it as tensor buffer overrides, which
-        ``Llama`` does not bind), so a configuration with it is for llama.cpp's tools only.
+        ``n_cpu_moe`` has no keyword there, so a configuration with it is for llama.cpp's tools only.
         """
-        kwargs: dict = {
-            "n_gpu_layers": self.n_gpu_layers,
-            "n_threads": self.n_threads,
-            "n_threads_batch": self.threads_batch,
-            "n_batch": self.n_batch,
-            "n_ubatch": self.n_ubatch,
-            "flash_attn": self.flash_attn != "off",
-        }
-        if self.type_k != "f16":
-            kwargs["type_k"] = GGML_TYPES[self.type_k]
-        if self.type_v != "f16":
-            kwargs["type_v"] = GGML_TYPES[self.type_v]
-        if not self.op_offload:
-            kwargs["op_offload"] = False
-        return kwargs
+        return knobs.python_kwargs(self)
 
     @classmethod
     def from_llama_flags(cls, text: str, n_layer: int, base: BenchParams | None = None) -> BenchParams:
@@ -132,73 +92,11 @@ class BenchParams:
         (n_layer + 1, llama.cpp's own clamp), and that effective value is what is stored. Flags not
         given keep ``base``'s values (fleettune's defaults). Anything else is a BadInput, one line.
         """
-        words = text.split()
-        start = base or cls()
-        values = {f.name: getattr(start, f.name) for f in fields(cls)}
-        i = 0
-        while i < len(words):
-            flag = words[i]
-            key = _FLAGS.get(flag)
-            if key is None:
-                raise BadInput(f"unknown flag {flag!r}; known: {' '.join(sorted(_FLAGS))}")
-            bare = flag in ("--no-op-offload", "--op-offload")  # llama-server's; llama-bench's takes 0|1
-            if bare and (i + 1 >= len(words) or words[i + 1].startswith("-")):
-                values["op_offload"] = flag == "--op-offload"
-                i += 1
-                continue
-            if i + 1 >= len(words):
-                raise BadInput(f"{flag} needs a value")
-            value = words[i + 1]
-            i += 2
-            values[key] = _flag_value(flag, key, value, n_layer)
-        try:
-            return cls(**values)
-        except TypeError as exc:  # pragma: no cover - every key above is a field
-            raise BadInput(str(exc)) from None
+        start = asdict(base or cls())
+        return cls(**knobs.over(start, knobs.parse_flags(text, n_layer)))
 
 
-_NEW_FIELDS = {"type_k", "type_v", "n_cpu_moe", "op_offload"}  # left out of to_dict at their default
-_FLAGS = {
-    "-ngl": "n_gpu_layers", "--n-gpu-layers": "n_gpu_layers", "--gpu-layers": "n_gpu_layers",
-    "-t": "n_threads", "--threads": "n_threads", "-tb": "n_threads_batch", "--threads-batch": "n_threads_batch",
-    "-b": "n_batch", "--batch-size": "n_batch", "-ub": "n_ubatch", "--ubatch-size": "n_ubatch",
-    "-fa": "flash_attn", "--flash-attn": "flash_attn",
-    "-ctk": "type_k", "--cache-type-k": "type_k", "-ctv": "type_v", "--cache-type-v": "type_v",
-    "-ncmoe": "n_cpu_moe", "--n-cpu-moe": "n_cpu_moe",
-    "-nopo": "op_offload", "--no-op-offload": "op_offload", "--op-offload": "op_offload",
-}
-_TRUTHY, _FALSEY, _AUTOY = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0"), ("auto", "-1")
-
-
-def _flag_value(flag: str, key: str, value: str, n_layer: int):
-    """One flag's value as llama.cpp parses it (common/arg.cpp, tools/llama-bench)."""
-    if key == "flash_attn":
-        for word, words in (("on", _TRUTHY), ("off", _FALSEY), ("auto", _AUTOY)):
-            if value in words:
-                return word
-        raise BadInput(f"{flag} takes on, off or auto, not {value!r}")
-    if key in ("type_k", "type_v"):
-        if value not in KV_TYPES:
-            raise BadInput(f"{flag} takes one of {', '.join(KV_TYPES)}, not {value!r}")
-        return value
-    if key == "op_offload":  # llama-bench's -nopo 0|1 (1: op offload off)
-        if value in ("1", "0"):
-            return (value == "1") == (flag == "--op-offload")
-        raise BadInput(f"{flag} takes 0 or 1, not {value!r}")
-    if key == "n_gpu_layers" and value in ("all", "auto"):
-        return n_layer + 1
-    try:
-        number = int(value)
-    except ValueError:
-        raise BadInput(f"{flag} takes a whole number, not {value!r}") from None
-    if key == "n_gpu_layers":
-        if number < -1:
-            raise BadInput(f"{flag} {number}: must be -1 (every layer) or more")
-        return n_layer + 1 if number == -1 or number > n_layer + 1 else number
-    lowest = 0 if key == "n_cpu_moe" else 1
-    if number < lowest:
-        raise BadInput(f"{flag} {number}: must be >= {lowest}")
-    return number
+_STORED_ALWAYS = {"n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn", "n_threads_batch"}
 
 
 def llama_cpp_python_code(kwargs: dict) -> str:
@@ -224,6 +122,22 @@ class Workload:
         if not self.depth:
             del out["depth"]
         return out
+
+
+def validate_workload(workload: Workload, model: object | None) -> None:
+    """BadInput, one line, for a workload no measurement can run (``model``: its ModelInfo, or None)."""
+    if workload.n_prompt < 0 or workload.n_gen < 0 or workload.n_prompt + workload.n_gen == 0:
+        raise BadInput("prompt and gen tokens must be >= 0 and not both 0")
+    if workload.reps < 1:
+        raise BadInput(f"repetitions {workload.reps}: must be >= 1")
+    if workload.depth < 0:
+        raise BadInput(f"depth {workload.depth}: must be >= 0")
+    longest = workload.depth + max(workload.n_prompt, workload.n_gen)  # each test has its own context
+    if model and model.context_length and longest > model.context_length:
+        raise BadInput(
+            f"depth {workload.depth} + {max(workload.n_prompt, workload.n_gen)} tokens exceed "
+            f"{model.name}'s context ({model.context_length})"
+        )
 
 
 @dataclass(frozen=True)
