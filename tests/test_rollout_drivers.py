@@ -181,3 +181,44 @@ def test_dry_run_shows_what_the_pin_and_the_tolerance_would_do(fleet):
     cli("rollout", "start", "--model", MODEL, "--tolerance", "100%", "--dry-run", "--db", url, code=2)
     cli("rollout", "start", "--model", MODEL, "--params", "-t zero", "--dry-run", "--db", url, code=2)
     assert ro.history_rows(db) == before and [nodeconfig.read(n) for n in nodes] == [None, None]
+
+
+def test_an_inconclusive_canary_pauses_the_rollout_and_start_judges_it_again(fleet):
+    """Servers that answer every request but generate one token: no tg rate, so the canary analysis
+    cannot decide. The rollout pauses (exit 3 through the CLI's rule, here its state), `rollout
+    status` says why, and nothing is promoted; the next `rollout start` judges the canary again."""
+    from dataclasses import asdict
+
+    from workers.probe import RequestResult
+
+    url, nodes = fleet
+    db = open_database(url)
+    with db.session() as s:  # a config the nodes do not hold yet
+        rec = [r for r in repo.all_latest_recommendations(s, "tg", True) if r.chip.key == CHIP][0]
+        rec.params = {**rec.params, "n_threads": rec.params["n_threads"] % 8 + 1}
+        rec.expected_tps /= 10
+
+    class OneTokenServers(ro.Applier):
+        """Each node's server, as its status and probe report it: it serves the node's config file."""
+
+        def serve_status(self, node_id):
+            held = nodeconfig.read(node_id)
+            return {"fresh": True, "ready": True, "config_version": held["version"] if held else 0}
+
+        def probe(self, node_id, n_prompt, n_gen, n_requests=1, first=0):
+            version = self.serve_status(node_id)["config_version"]
+            result = RequestResult(True, ttft_s=0.1, total_s=0.1, n_gen=1, n_prompt=n_prompt)
+            return {"served": True, "results": [asdict(result)], "config_version": version,
+                    "config_version_after": version}
+
+    rollout_id = ro.start(db, sim_model_info(MODEL), chips=[CHIP], canary_share=0.5, tolerance=0.5,
+                          applier=OneTokenServers())
+    rows = ro.status_rows(db, rollout_id)
+    assert rows[0]["rollout_state"] == "paused" and [r["state"] for r in rows] == ["applied", "pending"]
+    shown = json.loads(cli("rollout", "status", rollout_id, "--db", url, "--json").stdout)
+    assert shown[0]["rollout_message"].startswith("inconclusive: ") and "no tg rate" in shown[0]["rollout_message"]
+    with db.session() as s:
+        assert repo.current_chip_configs(s, sim_model_info(MODEL).sha256) == {}  # nothing promoted
+    assert nodeconfig.read(nodes[1]) is None  # the wave never moved
+    cli("rollout", "start", "--model", MODEL, "--chips", CHIP, "--db", url)  # judged again: exit 0
+    assert {r["rollout_state"] for r in ro.status_rows(db, rollout_id)} == {"promoted"}
