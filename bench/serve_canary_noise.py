@@ -7,7 +7,7 @@ completions), judged as a canary against two controls, many times, by the old me
   came in between), medians;
 - new: a warm-up round, then rounds of one sample per node in rotating order, the two requests of a
   sample on different prompts, the full one generating at least PROBE_MIN_GEN tokens, rates from the
-  fastest samples (orchestrator.rollout.probe_interleaved).
+  fastest samples (orchestrator.canary.probe_interleaved).
 
 For identical configs the canary/control ratio should be 1; a ratio below 1 - tolerance is a
 spurious rollback. Prints, per method and objective, the median ratio, its range and how many
@@ -86,15 +86,15 @@ class Direct:
 
 def new_method(statuses: list[dict], objectives) -> dict[str, list[float | None]]:
     """Per objective, each node's rate as the canary analysis takes it."""
-    from orchestrator import rollout as ro
+    from orchestrator import canary
 
     nodes = [f"n{i}" for i in range(len(statuses))]
-    figures = ro.probe_interleaved(Direct(dict(zip(nodes, statuses, strict=True))), nodes, N_PROMPT,
-                                   max(N_GEN, ro.PROBE_MIN_GEN))
+    figures = canary.probe_interleaved(Direct(dict(zip(nodes, statuses, strict=True))), nodes, N_PROMPT,
+                                       max(N_GEN, canary.PROBE_MIN_GEN))
     print("  new: " + "; ".join(f"{n} ttft {figures[n]['best_ttft_s'] * 1000:.0f} ms, full "
                                 f"{figures[n]['best_total_s'] * 1000:.0f} ms, tg {figures[n]['best_tg_tps'] or 0:.1f}"
                                 for n in nodes), flush=True)
-    return {o.name: [ro._served_rate(o, figures[n], N_PROMPT, N_GEN) for n in nodes] for o in objectives}
+    return {o.name: [canary.served_rate(o, figures[n], N_PROMPT, N_GEN) for n in nodes] for o in objectives}
 
 
 def main() -> None:

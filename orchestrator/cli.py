@@ -51,10 +51,12 @@ class FleettuneGroup(click.Group):
             click.echo(f"error: {exc}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except FleettuneError as exc:
+            from orchestrator.rollout import RolloutTakenOver
             from orchestrator.studies import StudyPaused
 
-            click.echo(f"{'paused' if isinstance(exc, StudyPaused) else 'error'}: {exc}", err=True)
-            ctx.exit(EXIT_PAUSED if isinstance(exc, StudyPaused) else EXIT_BAD_INPUT)
+            stopped = isinstance(exc, StudyPaused | RolloutTakenOver)
+            click.echo(f"{'paused' if stopped else 'error'}: {exc}", err=True)
+            ctx.exit(EXIT_PAUSED if stopped else EXIT_BAD_INPUT)
 
 
 # ---------------------------------------------------------------- options
@@ -691,28 +693,62 @@ ROLLOUT_NODE_COLUMNS = [
 @click.option("--params", "pin", help="Roll out these llama.cpp flags instead ('-ngl 99 -t 4 -b 512'): "
               "an operator's pin, judged by the same canary analysis.")
 @apply_timeout_option()
-@click.option("--dry-run", is_flag=True, help="Show the plan; change nothing.")
+@click.option("--dry-run", is_flag=True, help="Show what these options would do (the config, its canaries "
+              "and waves, the floor each canary is held to); change nothing.")
 @address_option()
 @db_option
 @output_options()
 def rollout_start(model_ref, objective, chips, canary, tolerance, pin, apply_timeout, dry_run, address, db_url,
                   fmt) -> None:
-    """Roll the recommendation out (an unfinished rollout of the model is resumed)."""
+    """Roll the recommendation out (an unfinished rollout of the model is resumed).
+
+    Exit 0: promoted; 3: rolled back or paused (an inconclusive canary); 2: refused (bad input,
+    or another process drives this model's rollouts)."""
     from orchestrator import rollout as ro
 
-    if dry_run:
-        ctx = click.get_current_context()
-        return ctx.invoke(rollout_plan, model_ref=model_ref, objective=objective, chips=chips,
-                          canary=canary, address=address, db_url=db_url, fmt=fmt)
     db, info = _rollout_target(db_url, model_ref)
+    options = {"objective": objective, "chips": chips.split(",") if chips else None,
+               "canary_share": _percent(canary), "tolerance": _percent(tolerance), "pin": pin}
+    if dry_run:
+        with dispatch.connected(address or "auto"):
+            shown = ro.preview(db, info, **options)
+        return _print_preview(shown, fmt)
     with dispatch.connected(address or "auto"):
-        rollout_id = ro.start(db, info, objective=objective, chips=chips.split(",") if chips else None,
-                              canary_share=_percent(canary), tolerance=_percent(tolerance),
-                              applier=ro.Applier(apply_timeout), on_step=lambda text: click.echo(text, err=True),
-                              pin=pin)
+        rollout_id = ro.start(db, info, **options, applier=ro.Applier(apply_timeout),
+                              on_step=lambda text: click.echo(text, err=True))
     rows = ro.status_rows(db, rollout_id)
-    click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
-                      title=f"rollout {rollout_id}: {rows[0]['rollout_state'] if rows else '?'}"))
+    state = rows[0]["rollout_state"] if rows else "?"
+    click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt, title=_rollout_title(rows)))
+    if state != "promoted":
+        click.get_current_context().exit(EXIT_PAUSED)
+
+
+def _rollout_title(rows: list[dict]) -> str | None:
+    if not rows:
+        return None
+    message = rows[0].get("rollout_message")
+    return f"rollout {rows[0]['rollout']}: {rows[0]['rollout_state']}" + (f" ({message})" if message else "")
+
+
+def _print_preview(shown, fmt: str) -> None:
+    if shown.resumes is not None:
+        click.echo(f"dry run: rollout {shown.resumes} of this model is unfinished; start would resume it "
+                   f"(tolerance {shown.tolerance:.0%}, as it was started); nothing changed")
+        return
+    waves = {}
+    for _, chip, stage in shown.stages:
+        waves[chip] = max(waves.get(chip, 0), stage)
+    rows = [{"chip": p.chip_key, "flags": _payload_flags(p.payload), "source": p.payload["source"],
+             "expected_tps": p.expected_tps, "floor_tps": p.expected_tps * (1 - shown.tolerance),
+             "tolerance": shown.tolerance, "current": p.current or "-", "nodes": len(p.nodes),
+             "canaries": p.n_canary, "waves": waves.get(p.chip_key, 0)} for p in shown.plans]
+    click.echo(render(rows, [Column("chip", "chip"), Column("flags", "new config"), Column("source", "from"),
+                             Column("expected_tps", "t/s", ".1f", "right"),
+                             Column("floor_tps", "canary floor", ".1f", "right"), Column("current", "now"),
+                             Column("nodes", "nodes", justify="right"),
+                             Column("canaries", "canary", justify="right"),
+                             Column("waves", "waves", justify="right")], fmt,
+                      title=f"dry run (tolerance {shown.tolerance:.0%}): nothing changed"))
 
 
 @rollout.command("status")
@@ -724,8 +760,7 @@ def rollout_status(rollout_id, db_url, fmt) -> None:
     from orchestrator import rollout as ro
 
     rows = ro.status_rows(_open_db(db_url), rollout_id)
-    click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt,
-                      title=f"rollout {rows[0]['rollout']}: {rows[0]['rollout_state']}" if rows else None))
+    click.echo(render(rows, ROLLOUT_NODE_COLUMNS, fmt, title=_rollout_title(rows)))
 
 
 @rollout.command("rollback")
@@ -744,6 +779,9 @@ def rollout_rollback(rollout_id, apply_timeout, address, db_url) -> None:
     with dispatch.connected(address or "auto"):
         done = ro.rollback(db, rollout_id, ro.Applier(apply_timeout),
                            on_step=lambda text: click.echo(text, err=True))
+    if done.already:
+        click.echo(f"rollout {done.rollout_id}: rolled back already ({done.message}); nothing changed")
+        return
     pending = f", {done.pending} pending (not answering; run it again)" if done.pending else ""
     kept = f", {done.kept} kept (changed since)" if done.kept else ""
     click.echo(f"rollout {done.rollout_id}: {done.restored} node(s) restored{pending}{kept}")

@@ -28,7 +28,8 @@ from workers.errors import BadInput
 from workers.labels import BENCH_RESOURCE, CHIP_LABEL, SIMULATE_LABEL
 from workers.trial import FailureKind, TrialResult, TrialSpec
 
-__all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "RayDispatcher", "connect", "on_node"]
+__all__ = ["BENCH_RESOURCE", "CHIP_LABEL", "BenchNode", "Dispatcher", "RayDispatcher", "ask_nodes", "connect",
+           "on_node"]
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -87,6 +88,29 @@ def on_node(func: Callable, node_id: str | None = None, **options):
 
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     return _remote(func).options(**options)
+
+
+def ask_nodes(function: Callable, node_ids: list[str], timeout_s: float,
+              args: Callable[[str], tuple] = lambda node_id: (node_id,)) -> dict[str, object]:
+    """``function(*args(node_id))`` on every node at once (pinned to it, no CPU slot, never retried);
+    waits up to ``timeout_s`` for all and cancels the late ones. Per node: its answer, or the
+    exception that stands for none (``TimeoutError`` when late, Ray's error when the call failed)."""
+    import ray
+
+    refs = {on_node(function, node_id).remote(*args(node_id)): node_id for node_id in node_ids}
+    if not refs:
+        return {}
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    out: dict[str, object] = {}
+    for ref in ready:
+        try:
+            out[refs[ref]] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            out[refs[ref]] = exc
+    for ref in late:
+        ray.cancel(ref, force=True)
+        out[refs[ref]] = TimeoutError(f"node {refs[ref][:12]} did not answer in {timeout_s:g}s")
+    return out
 
 
 @dataclass(frozen=True)
@@ -224,18 +248,10 @@ class ChipNodes:
 
 
 def describe_nodes(nodes: list[BenchNode], timeout_s: float = 120) -> list[NodeInfo]:
-    """Ask each node to fingerprint itself (pinned to that node, not using its bench slot)."""
-    import ray
-
-    refs = [on_node(agent.node_info, node.ray_node_id).remote() for node in nodes]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    infos = []
-    for ref in ready:
-        try:
-            infos.append(ray.get(ref))
-        except ray.exceptions.RayError:
-            continue  # a node that cannot describe itself is left out of this study
-    return infos
+    """Ask each node to fingerprint itself (pinned to that node, not using its bench slot); a node
+    that cannot describe itself in time is left out."""
+    answers = ask_nodes(agent.node_info, [node.ray_node_id for node in nodes], timeout_s, args=lambda _: ())
+    return [info for info in answers.values() if not isinstance(info, Exception)]
 
 
 class RayDispatcher:

@@ -3,7 +3,7 @@ that joining nodes ask for their chip's config (workers.confighub)."""
 
 from __future__ import annotations
 
-from orchestrator import fleet
+from orchestrator import dispatch, fleet
 from orchestrator.db import Database, repo
 from workers import confighub
 
@@ -12,26 +12,12 @@ STATUS_TIMEOUT_S = 5.0
 
 def node_serving(node_ids: list[str], timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, dict | None]:
     """Per node: its `fleettune serve` status (None: not serving); unanswered ones: {"health": ...}."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from workers import agent
 
-    remote = ray.remote(agent.serve_status)
-    refs = {remote.options(num_cpus=0, max_retries=0,
-                           scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(n): n
-            for n in node_ids}
-    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    out: dict[str, dict | None] = {}
-    for ref in ready:
-        try:
-            out[refs[ref]] = ray.get(ref)
-        except ray.exceptions.RayError:
-            out[refs[ref]] = {"health": "error"}
-    for ref in late:
-        ray.cancel(ref, force=True)
-        out[refs[ref]] = {"health": "no answer"}
-    return out
+    answers = dispatch.ask_nodes(agent.serve_status, node_ids, timeout_s)
+    return {node_id: ({"health": "no answer" if isinstance(answer, TimeoutError) else "error"}
+                      if isinstance(answer, Exception) else answer)
+            for node_id, answer in answers.items()}
 
 
 def _health(status: dict | None) -> str:
@@ -62,17 +48,18 @@ def fleet_rows(db: Database) -> list[dict]:
     return rows
 
 
-def publish_configs(db: Database) -> int:
-    """Put every chip's current config (per model) in the config hub, creating it on the head."""
+def publish_configs(db: Database, model_sha256: str | None = None) -> int:
+    """Put every chip's current config (per model; of ``model_sha256`` only, when given) in the
+    config hub, creating it on the head."""
     import ray
 
     with db.session() as s:
         configs: dict[str, dict[str, dict]] = {}
-        for model in repo.rolled_out_models(s):
+        for model in [model_sha256] if model_sha256 else repo.rolled_out_models(s):
             for chip, payload in repo.current_chip_configs(s, model).items():
                 configs.setdefault(chip, {})[model] = payload
     hub = ray.remote(confighub.ConfigHub).options(
         name=confighub.NAME, namespace=confighub.NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, resources={"node:__internal_head__": 0.001},  # on the head: it outlives workers
     ).remote()
-    return ray.get(hub.publish.remote(configs), timeout=30)
+    return ray.get(hub.publish.remote(configs, [model_sha256] if model_sha256 else None), timeout=30)

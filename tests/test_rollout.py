@@ -70,7 +70,7 @@ def test_a_regression_at_the_canary_rolls_every_touched_node_back(tuned):
                if r.chip.key == SIM_CHIPS["M2 Ultra/76"]][0]
         rec.expected_tps *= 10
         rec.params = {**rec.params, "n_threads": rec.params["n_threads"] % 8 + 1}  # and differs
-    result = cli("rollout", "start", "--model", SIM_MODEL, "--canary", "34%", "--db", tuned)
+    result = cli("rollout", "start", "--model", SIM_MODEL, "--canary", "34%", "--db", tuned, code=3)  # rolled back
     assert "expected at least" in result.output
     rows = ro.status_rows(db)
     assert {r["rollout_state"] for r in rows} == {"rolled_back"}

@@ -165,7 +165,7 @@ def test_a_failed_apply_never_deletes_the_nodes_config(fault_db, fault_nodes, ra
         wait_until(lambda: [r for r in rows_of(fault_db) if r["rollout"] > before
                             and r["state"] not in ("pending", "intent")], timeout=120)
     # the canary answers again while the head rolls back
-    assert proc.wait(timeout=120) == 0, (tmp_path / "head.log").read_text()
+    assert proc.wait(timeout=120) == 3, (tmp_path / "head.log").read_text()  # rolled back: exit 3
     if {r["rollout_state"] for r in rows_of(fault_db)} != {"rolled_back"}:  # it answered too late
         cli("rollout", "rollback", "--address", ray_cluster["address"], "--db", fault_db)
     assert [nodeconfig.read(n) for n in nodes] == [baseline] * 3  # the canary's config is still there
@@ -191,7 +191,7 @@ def test_a_failed_row_stops_promotion_after_the_head_is_killed_during_its_rollba
     assert rows[0]["rollout"] > before and {r["rollout_state"] for r in rows} != {"rolled_back"}
     # a new head resumes the unfinished rollout: it must roll back, never promote the waves
     cli("rollout", "start", "--model", MODEL, "--chips", chip_key, "--canary", "30%", "--apply-timeout", "20",
-        "--address", ray_cluster["address"], "--db", fault_db)
+        "--address", ray_cluster["address"], "--db", fault_db, code=3)  # the killed head's lease is taken over
     rows = rows_of(fault_db, rows[0]["rollout"])
     assert {r["rollout_state"] for r in rows} == {"rolled_back"}
     assert not [r for r in rows if r["stage"] > 0 and r["state"] in ("applied", "verified")]

@@ -1,13 +1,17 @@
 """Rollout pieces that need no server and no Ray: an operator's pin, conditional node writes, the
-served-traffic summary, the served canary analysis over fake servers with a known speed."""
+served-traffic summary, the canary's figures collected from fake servers with a known speed, and
+the pure verdict on figures (pass, fail, inconclusive)."""
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import asdict
 
 import pytest
 
-from orchestrator.rollout import PROBE_ROUNDS, _Row, judge_canary, parse_pin
+from orchestrator import canary
+from orchestrator.canary import PROBE_ROUNDS, collect, judge
+from orchestrator.rollout import parse_pin
 from workers import nodeconfig
 from workers.errors import BadInput
 from workers.probe import RequestResult, prompt_of, summarise
@@ -95,22 +99,22 @@ class FakeServers:
                 "config_version_after": self.versions[node_id]}
 
 
-def canary_row(objective: str, version: int = 7, node: str = "canary") -> _Row:
-    config = {**payload(version), "objective": objective, "expected_tps": 1.0,
-              "workload": {"n_prompt": 64, "n_gen": 8}}
-    return _Row(1, node, "chip", 0, config, None, "applied", True, None)
+def canary_payload(objective: str, version: int = 7) -> dict:
+    return {**payload(version), "objective": objective, "expected_tps": 1.0,
+            "workload": {"n_prompt": 64, "n_gen": 8}}
 
 
-def control_row(node: str) -> _Row:
-    return _Row(2, node, "chip", 1, payload(1), None, "pending", False, None)
+def judged(servers, objective: str, controls: list[str], tolerance: float):
+    figures = collect("canary", "chip", canary_payload(objective), controls, None, servers)
+    return judge(figures, 1.0, tolerance)
 
 
 @pytest.mark.parametrize("objective", ["tg", "pp", "e2e"])
 def test_an_equal_canary_passes_the_served_ab_whatever_the_queueing_and_a_slow_one_fails(objective):
     same = FakeServers({"canary": (0.002, 0.03), "a": (0.002, 0.03), "b": (0.002, 0.03)},
                        {"canary": 7, "a": 1, "b": 1})
-    verdict = judge_canary(canary_row(objective), [control_row("a"), control_row("b")], None, same, 0.2)
-    assert verdict.failure is None, verdict.analysis
+    verdict = judged(same, objective, ["a", "b"], 0.2)
+    assert verdict.outcome == canary.PASS and verdict.reason is None, verdict.analysis
     assert verdict.rate == pytest.approx(verdict.analysis["control_rate"])
     # warm-up round first, then every round has each node once, the order rotated
     rounds = [[n for n, first in same.calls if first == r] for r in range(1 + PROBE_ROUNDS)]
@@ -121,16 +125,15 @@ def test_an_equal_canary_passes_the_served_ab_whatever_the_queueing_and_a_slow_o
     slow_pp, slow_tg = (0.03, 0.03), (0.002, 0.09)  # batch 1: the prompt a token at a time; one thread
     slow = FakeServers({"canary": slow_pp if objective == "pp" else slow_tg, "a": (0.002, 0.03),
                         "b": (0.002, 0.03)}, {"canary": 7, "a": 1, "b": 1})
-    verdict = judge_canary(canary_row(objective), [control_row("a"), control_row("b")], None, slow, 0.4)
-    assert verdict.failure and "slower by more than 40%" in verdict.failure
+    verdict = judged(slow, objective, ["a", "b"], 0.4)
+    assert verdict.outcome == canary.FAIL and "slower by more than 40%" in verdict.reason
 
 
-def test_a_canary_with_a_failed_request_or_the_wrong_version_fails():
+def test_a_canary_with_a_failed_request_fails_and_one_that_switched_away_is_inconclusive():
     failing = FakeServers({"canary": (0.002, 0.03), "a": (0.002, 0.03)}, {"canary": 7, "a": 1}, fail={"canary"})
-    verdict = judge_canary(canary_row("tg"), [control_row("a")], None, failing, 0.2)
-    assert verdict.failure and "served requests failed" in verdict.failure
+    verdict = judged(failing, "tg", ["a"], 0.2)
+    assert verdict.outcome == canary.FAIL and "served requests failed" in verdict.reason
     stale = FakeServers({"canary": (0.002, 0.03), "a": (0.002, 0.03)}, {"canary": 7, "a": 1})
-    stale.versions["canary"] = 7
     original = stale.probe
 
     def switching(node_id, *args, **kwargs):
@@ -140,8 +143,42 @@ def test_a_canary_with_a_failed_request_or_the_wrong_version_fails():
         return out
 
     stale.probe = switching
-    verdict = judge_canary(canary_row("tg"), [control_row("a")], None, stale, 0.2)
-    assert verdict.failure and "while measured" in verdict.failure
+    verdict = judged(stale, "tg", ["a"], 0.2)
+    assert verdict.outcome == canary.INCONCLUSIVE and "while measured" in verdict.reason
+
+
+def served_figures(rate: float | None, control_rates: list[float | None], *, versions=(7,), errors: int = 0,
+                   control_expected: float | None = None) -> dict:
+    """Figures as ``collect`` returns them for a serving canary (no node needed)."""
+    return {"node": "c" * 16, "chip": "chip", "objective": "tg", "version": 7, "method": "served",
+            "switched": True, "rate": rate,
+            "canary": {"served": True, "errors": errors, "requests": 6, "config_versions": list(versions),
+                       "ttft_s": 0.1, "n_gen": 0 if rate is None else 48, "failures": []},
+            "controls": [{"served": r is not None, "rate": r, "expected": control_expected,
+                          "error": None if r is not None else "no server running on this node"}
+                         for r in control_rates],
+            "control_rate": sorted(r for r in control_rates if r)[0] if any(control_rates) else None}
+
+
+def test_judge_is_a_pure_function_of_the_figures_with_three_outcomes():
+    assert judge(served_figures(10.0, [10.0, 10.5]), 12.0, 0.1).outcome == canary.PASS
+    slow = judge(served_figures(8.0, [10.0]), 12.0, 0.1)
+    assert slow.outcome == canary.FAIL and slow.analysis["ab_floor"] == pytest.approx(9.0)
+    # the expected figure, scaled by the control group's served/bench ratio: 12 x 10/10 - 10 %
+    below = judge(served_figures(10.5, [10.0], control_expected=10.0), 12.0, 0.1)
+    assert below.outcome == canary.FAIL and "expected at least 10.80" in below.reason
+    assert judge(served_figures(10.0, [10.0]), 12.0, 0.1).reason is None  # control's own figure unknown
+    # cannot decide: no rate from the canary's requests, its control group silent, or another version
+    for figures in (served_figures(None, [10.0]), served_figures(10.0, [None, None]),
+                    served_figures(10.0, [10.0], versions=(1, 7))):
+        verdict = judge(figures, 12.0, 0.1)
+        assert verdict.outcome == canary.INCONCLUSIVE and verdict.reason, verdict
+    assert judge(served_figures(None, [10.0], errors=2), 12.0, 0.1).outcome == canary.FAIL
+    assert judge({**served_figures(None, []), "switched": False}, 12.0, 0.1).outcome == canary.FAIL
+    bench = {"node": "n" * 16, "chip": "chip", "objective": "tg", "version": 7, "method": "benchmark"}
+    assert judge({**bench, "rate": 11.0}, 12.0, 0.1).outcome == canary.PASS
+    assert judge({**bench, "rate": 10.0}, 12.0, 0.1).outcome == canary.FAIL
+    assert judge({**bench, "rate": None}, 12.0, 0.1).outcome == canary.FAIL  # the benchmark failed
 
 
 def test_a_pp_sample_is_two_prompt_timings_and_the_fastest_counts():
@@ -181,7 +218,7 @@ class OneResult:
 def test_verification_measures_the_recommendations_own_objective_and_workload(objective, expected):
     """An e2e recommendation's expected value is an effective end-to-end rate: verifying it by
     its tg rate (as rollouts once did) compares two different figures."""
-    from orchestrator.rollout import Applier
+    from orchestrator.nodecalls import Applier
     from workers import simulated
     from workers.trial import Sample
 
@@ -193,3 +230,36 @@ def test_verification_measures_the_recommendations_own_objective_and_workload(ob
     assert measured == pytest.approx(expected)
     spec = fake.specs[0]
     assert (spec.workload.n_prompt, spec.workload.n_gen) == (512, 128)
+
+
+def test_a_models_rollout_lease_is_kept_by_a_live_holder_and_taken_over_when_stale(tmp_path):
+    """The lease on a model's rollouts (migration 0006) on a real SQLite database: a holder on
+    another host keeps it while its heartbeat is fresh, loses it once silent past the time to live;
+    a holder on this host whose process is gone loses it at once."""
+    from datetime import UTC, datetime, timedelta
+
+    from orchestrator import lease
+    from orchestrator.db import open_database, repo
+    from workers.simulated import sim_model_info
+
+    db = open_database(f"sqlite:///{tmp_path / 'results.db'}")
+    with db.session() as s:
+        model_id = repo.upsert_model(s, sim_model_info("sim://llama2-7b/q4_0")).id
+    elsewhere, me = "elsewhere:4242:abcd1234", lease.new_owner()
+
+    def acquire(owner: str, now: datetime | None = None) -> str | None:
+        with db.session() as s:
+            return repo.acquire_rollout_lease(s, model_id, owner, lease.stale_before(now), lease.holder_is_gone)
+
+    assert acquire(elsewhere) is None
+    assert acquire(me) == elsewhere  # alive, as far as anyone here can tell
+    assert acquire(me, datetime.now(UTC) + timedelta(seconds=lease.LEASE_TTL_S + 1)) is None  # silent too long
+    with db.session() as s:
+        assert repo.rollout_lease_holder(s, model_id)[0] == me
+        assert not repo.renew_rollout_lease(s, model_id, elsewhere)  # the old holder is fenced off
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    gone = f"{me.split(':')[0]}:{proc.pid}:deadbeef"  # a holder on this host whose process exited
+    with db.session() as s:
+        repo.release_rollout_lease(s, model_id, me)
+    assert acquire(gone) is None and acquire(me) is None

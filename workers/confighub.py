@@ -13,14 +13,26 @@ NAMESPACE = "fleettune"
 
 
 class ConfigHub:
-    """chip key -> {model sha256 -> payload} (the newest promoted rollout's)."""
+    """chip key -> {model sha256 -> payload} (the newest promoted rollout's).
+
+    A rollout publishes its own model's configs only (``models``), so a driver of another model,
+    publishing what it read a moment earlier, never puts back a config that was just rolled back
+    (rule 24.4: the hub never hands out a rolled-back config)."""
 
     def __init__(self) -> None:
         self._configs: dict[str, dict[str, dict]] = {}
 
-    def publish(self, configs: dict[str, dict[str, dict]]) -> int:
-        self._configs = configs
-        return sum(len(v) for v in configs.values())
+    def publish(self, configs: dict[str, dict[str, dict]], models: list[str] | None = None) -> int:
+        """Replace every model's configs (``models`` None) or those of ``models`` only."""
+        if models is None:
+            self._configs = configs
+        else:
+            kept = {chip: {m: p for m, p in by_model.items() if m not in models}
+                    for chip, by_model in self._configs.items()}
+            for chip, by_model in configs.items():
+                kept.setdefault(chip, {}).update({m: p for m, p in by_model.items() if m in models})
+            self._configs = {chip: by_model for chip, by_model in kept.items() if by_model}
+        return sum(len(v) for v in self._configs.values())
 
     def config_for(self, chip_key: str, model_sha256: str) -> dict | None:
         return self._configs.get(chip_key, {}).get(model_sha256)

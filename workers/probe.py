@@ -18,7 +18,7 @@ request came in between: the largest noise in the first served canaries).
 Two summaries: medians (what a client got) and service figures from the fastest sample of each
 kind (waiting behind other clients' requests only adds time, but on a shared CPU a lucky moment also
 takes some away). The canary analysis judges on the median of the samples' own rates
-(orchestrator.rollout.sample_rates), for which each sample's timings are returned too.
+(orchestrator.canary.sample_rates), for which each sample's timings are returned too.
 """
 
 from __future__ import annotations

@@ -92,6 +92,9 @@ class Model(Base):
     path: Mapped[str | None] = mapped_column(Text)
     path_mtime: Mapped[float | None] = mapped_column(Float)
     added_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the one driver of this model's rollouts (start, resume, rollback) and its heartbeat (issue 24.4)
+    rollout_lease_owner: Mapped[str | None] = mapped_column(String(64))
+    rollout_lease_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Study(Base):
@@ -216,7 +219,8 @@ class Rollout(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("ft_models.id"))
     objective: Mapped[str] = mapped_column(String(10))
-    # running | rolling_back (some node still to restore) | promoted | rolled_back
+    # running | paused (an inconclusive canary) | rolling_back (some node still to restore) | promoted
+    # | rolled_back
     state: Mapped[str] = mapped_column(String(20), default="running")
     source: Mapped[str] = mapped_column(String(20), default="recommendation", server_default="recommendation")
     canary_share: Mapped[float] = mapped_column(Float)

@@ -252,45 +252,74 @@ def add_study_free_name(session: Session, new: NewStudy) -> Study:
     raise BadInput(f"could not find a free study name for {base!r}")
 
 
-def acquire_lease(session: Session, study_id: int, owner: str, stale_before: datetime,
-                  dead: Callable[[str], bool]) -> str | None:
-    """Hold the study for ``owner``; returns None when held, else the holder that keeps it.
+@dataclass(frozen=True)
+class _Lease:
+    """Where a lease lives: a table's row and its owner and heartbeat columns."""
+
+    table: type
+    owner: str
+    heartbeat: str
+
+    def where(self, row_id: int, owner: str | None):
+        column = getattr(self.table, self.owner)
+        return (self.table.id == row_id, column.is_(None) if owner is None else column == owner)
+
+
+STUDY_LEASE = _Lease(Study, "lease_owner", "lease_heartbeat")
+ROLLOUT_LEASE = _Lease(Model, "rollout_lease_owner", "rollout_lease_heartbeat")  # per model: its rollouts
+
+
+def _acquire(session: Session, lease: _Lease, row_id: int, owner: str, stale_before: datetime,
+             dead: Callable[[str], bool]) -> str | None:
+    """Hold the row's lease for ``owner``; returns None when held, else the holder that keeps it.
 
     The lease is free when nobody holds it, when the holder's heartbeat is older than
     ``stale_before`` or when ``dead(holder)`` says the holder's process is gone. The update is
     conditional on the holder it saw, so two drivers taking over at once cannot both win.
     """
-    holder = session.execute(
-        select(Study.lease_owner, Study.lease_heartbeat).where(Study.id == study_id)
+    owner_now, beat = session.execute(
+        select(getattr(lease.table, lease.owner), getattr(lease.table, lease.heartbeat))
+        .where(lease.table.id == row_id)
     ).one()
-    owner_now, beat = holder
     if owner_now and owner_now != owner and beat is not None:
         beat = beat if beat.tzinfo else beat.replace(tzinfo=UTC)
         if beat >= stale_before and not dead(owner_now):
             return owner_now
     taken = session.execute(
-        update(Study)
-        .where(Study.id == study_id,
-               Study.lease_owner.is_(None) if owner_now is None else Study.lease_owner == owner_now)
-        .values(lease_owner=owner, lease_heartbeat=utcnow())
+        update(lease.table).where(*lease.where(row_id, owner_now))
+        .values({lease.owner: owner, lease.heartbeat: utcnow()})
         .execution_options(synchronize_session=False)
     ).rowcount
     return None if taken == 1 else (owner_now or "another driver")
 
 
-def renew_lease(session: Session, study_id: int, owner: str) -> bool:
-    """Refresh the holder's heartbeat; False when ``owner`` no longer holds the study."""
+def _renew(session: Session, lease: _Lease, row_id: int, owner: str) -> bool:
     return session.execute(
-        update(Study).where(Study.id == study_id, Study.lease_owner == owner)
-        .values(lease_heartbeat=utcnow()).execution_options(synchronize_session=False)
+        update(lease.table).where(*lease.where(row_id, owner))
+        .values({lease.heartbeat: utcnow()}).execution_options(synchronize_session=False)
     ).rowcount == 1
 
 
-def release_lease(session: Session, study_id: int, owner: str) -> None:
+def _release(session: Session, lease: _Lease, row_id: int, owner: str) -> None:
     session.execute(
-        update(Study).where(Study.id == study_id, Study.lease_owner == owner)
-        .values(lease_owner=None, lease_heartbeat=None).execution_options(synchronize_session=False)
+        update(lease.table).where(*lease.where(row_id, owner))
+        .values({lease.owner: None, lease.heartbeat: None}).execution_options(synchronize_session=False)
     )
+
+
+def acquire_lease(session: Session, study_id: int, owner: str, stale_before: datetime,
+                  dead: Callable[[str], bool]) -> str | None:
+    """Hold the study for ``owner``; returns None when held, else the holder that keeps it (``_acquire``)."""
+    return _acquire(session, STUDY_LEASE, study_id, owner, stale_before, dead)
+
+
+def renew_lease(session: Session, study_id: int, owner: str) -> bool:
+    """Refresh the holder's heartbeat; False when ``owner`` no longer holds the study."""
+    return _renew(session, STUDY_LEASE, study_id, owner)
+
+
+def release_lease(session: Session, study_id: int, owner: str) -> None:
+    _release(session, STUDY_LEASE, study_id, owner)
 
 
 def set_study_state(session: Session, study_id: int, state: str, message: str | None = None) -> None:
@@ -600,7 +629,7 @@ def rolled_out_models(session: Session) -> list[str]:
                                 .where(Rollout.state == "promoted").distinct()))
 
 
-UNFINISHED_ROLLOUT_STATES = ("running", "rolling_back")
+UNFINISHED_ROLLOUT_STATES = ("running", "rolling_back", "paused")  # paused: an inconclusive canary
 
 
 def unfinished_rollout(session: Session, model_sha256: str) -> Rollout | None:
@@ -672,6 +701,31 @@ def pending_restores(session: Session, ray_node_id: str | None = None) -> list[R
 def rollout_nodes_left_to_restore(session: Session, rollout_id: int) -> int:
     return session.scalar(select(func.count()).select_from(RolloutNode).where(
         RolloutNode.rollout_id == rollout_id, RolloutNode.state == "restore_pending")) or 0
+
+
+def acquire_rollout_lease(session: Session, model_id: int, owner: str, stale_before: datetime,
+                          dead: Callable[[str], bool]) -> str | None:
+    """Be the one driver of the model's rollouts; None when held, else the holder (``_acquire``)."""
+    return _acquire(session, ROLLOUT_LEASE, model_id, owner, stale_before, dead)
+
+
+def renew_rollout_lease(session: Session, model_id: int, owner: str) -> bool:
+    """Refresh the heartbeat; False when ``owner`` no longer drives the model's rollouts."""
+    return _renew(session, ROLLOUT_LEASE, model_id, owner)
+
+
+def release_rollout_lease(session: Session, model_id: int, owner: str) -> None:
+    _release(session, ROLLOUT_LEASE, model_id, owner)
+
+
+def model_sha256(session: Session, model_id: int) -> str:
+    return session.scalar(select(Model.sha256).where(Model.id == model_id))
+
+
+def rollout_lease_holder(session: Session, model_id: int) -> tuple[str | None, datetime | None]:
+    """Who holds the model's rollout lease and its last heartbeat (None, None: nobody)."""
+    return tuple(session.execute(select(Model.rollout_lease_owner, Model.rollout_lease_heartbeat)
+                                 .where(Model.id == model_id)).one())
 
 
 # ---------------------------------------------------------------- fleet

@@ -1,0 +1,257 @@
+"""Canary analysis, as Argo Rollouts splits it: ``collect`` measures (the calls to the canary and its
+control group, over one stretch of time) and returns figures; ``judge`` is a pure function of those
+figures, the expected figure and the tolerance, with three outcomes (utils/evaluate/evaluate.go):
+
+- ``pass``: the canary is as fast as its control group and its expected figure allow;
+- ``fail``: it is slower by more than the tolerance, a request failed, or its config does not serve;
+- ``inconclusive``: the figures cannot decide (the canary served another config while measured, its
+  requests gave no rate in the objective, or its control group gave no figures). Inconclusive never
+  promotes: the rollout pauses, with the reason (rule 24.4).
+
+A node that serves (``fleettune serve``) is judged on served traffic: once it serves the new config,
+the workload's fixed prompt set goes through its OpenAI API and through those of up to
+``MAX_CONTROLS`` same-chip nodes still on the old config (A/B), in interleaved rounds
+(``probe_interleaved``), each node's rate the median of its samples' (``served_rate``). Served
+traffic carries HTTP and sampling costs a benchmark does not, so the expected figure is compared in
+kind: scaled by the control group's served rate over its own config's expected figure, where that
+is known. A node that does not serve is judged by a benchmark on the same workload, against the
+expected figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from orchestrator.nodecalls import Applier, workload
+from workers.models import ModelInfo
+from workers.objective import objective as objective_named
+
+SWITCH_TIMEOUT_S = 300.0  # a serving canary has this long to start serving the new config
+PROBE_ROUNDS = 6  # served A/B rounds (one sample per node each), after one warm-up round
+MIN_ROUNDS = 3  # rounds always taken; more only within PROBE_BUDGET_S
+PROBE_BUDGET_S = 20.0  # keeps a regression's detection well inside a minute of its apply
+PROBE_MAX_PROMPT, PROBE_MAX_GEN = 1024, 128  # the workload, bounded to what a 2048 context holds
+# A sample's full request generates at least this many tokens: its generation rate is the difference
+# of two request times, and with fewer that difference is no larger than what another client's
+# request or a busy CPU adds to either time (bench/serve_canary_noise.py)
+PROBE_MIN_GEN = 32
+MAX_CONTROLS = 2  # same-chip nodes on the old config measured beside each canary
+SNAPSHOT_ROUNDS = 5  # served samples per node before its apply and after promotion (the record)
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: str  # PASS, FAIL or INCONCLUSIVE
+    rate: float | None  # the canary's rate in the objective (tok/s)
+    reason: str | None  # why it did not pass
+    analysis: dict  # the figures, with the floors they were held to
+    summary: str
+
+
+def sample_rates(objective, summary: dict, n_prompt: int, n_gen: int) -> list[float]:
+    """Each served sample's rate in the objective: a sample with generated tokens gives one (its
+    prompt rate from the one-token request, its generation rate from the difference of the two
+    times); a sample of two one-token requests (pp) gives two prompt rates."""
+    out = []
+    for ttft, total, prompt, generated in summary.get("samples", []):
+        if generated <= 1:
+            pairs = [(prompt / ttft, None), (prompt / total, None)]
+        else:
+            pairs = [(prompt / ttft, (generated - 1) / (total - ttft) if total > ttft else None)]
+        out += [r for pp, tg in pairs if (r := objective.rate(pp, tg, n_prompt, n_gen))]
+    return out
+
+
+def served_rate(objective, summary: dict, n_prompt: int, n_gen: int) -> float | None:
+    """A node's served rate in the objective: the median of its samples' rates (None on any failed
+    request). The median, not the fastest sample: on a shared machine a sample is slowed by a
+    request queued ahead of it and sped up by a moment with the CPU to itself, and a control's
+    figure so inflated makes a canary look slow."""
+    if not summary.get("served") or summary.get("errors"):
+        return None
+    rates = sample_rates(objective, summary, n_prompt, n_gen)
+    return statistics.median(rates) if rates else None
+
+
+def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_gen: int,
+                      rounds: int = PROBE_ROUNDS, budget_s: float = PROBE_BUDGET_S) -> dict[str, dict]:
+    """Served samples from several nodes, in turn: a warm-up round whose timings are dropped (a
+    server that has just started pays first-use costs; its failures still count), then rounds of
+    one sample per node, the order rotated each round, so that every node is measured across the
+    same stretch of time and background load (on a shared machine that load moves by more than
+    the differences being judged). Rounds past ``MIN_ROUNDS`` only within ``budget_s``. Per node:
+    the summary of its samples (workers.probe.summarise) with the config versions it served."""
+    from workers.probe import RequestResult, summarise
+
+    samples: dict[str, list[RequestResult]] = {n: [] for n in node_ids}
+    versions: dict[str, set] = {n: set() for n in node_ids}
+    refused: dict[str, dict] = {}
+    started = time.monotonic()
+    for round_no in range(rounds + 1):
+        if round_no > MIN_ROUNDS and time.monotonic() - started > budget_s:
+            break
+        shift = round_no % len(node_ids)
+        for node_id in node_ids[shift:] + node_ids[:shift]:
+            if node_id in refused:
+                continue
+            try:
+                out = applier.probe(node_id, n_prompt, n_gen, 1, first=round_no)
+            except Exception as exc:  # noqa: BLE001 - a node lost mid-analysis: no figures from it
+                out = {"served": False, "error": f"{type(exc).__name__}: {exc}"}
+            if not out.get("served"):
+                refused[node_id] = out
+                continue
+            versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
+            results = [RequestResult(**r) for r in out.get("results", [])]
+            samples[node_id] += results if round_no else [r for r in results if not r.ok]
+    summaries = {}
+    for node_id in node_ids:
+        if node_id in refused:
+            summaries[node_id] = refused[node_id]
+            continue
+        summaries[node_id] = {"served": True, **summarise(samples[node_id], n_prompt),
+                              "config_versions": sorted(v for v in versions[node_id] if v is not None),
+                              "samples": [[r.ttft_s, r.total_s, r.n_prompt, r.n_gen] for r in samples[node_id]
+                                          if r.ok]}
+    return summaries
+
+
+def generated_per_sample(obj, n_gen: int) -> int:
+    """Tokens a sample's full request generates: at least PROBE_MIN_GEN where the objective needs a
+    generation rate; one for pp, whose samples are then two prompt timings each (twice the samples
+    in the same time)."""
+    return min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN) if obj.needs_generation else 1
+
+
+def probe_workload(payload: dict) -> tuple[int, int]:
+    """The payload's workload as probed: bounded to what a 2048 context holds, at least 2 tokens."""
+    n_prompt, n_gen = workload(payload)
+    return min(n_prompt, PROBE_MAX_PROMPT), min(max(n_gen, 2), PROBE_MAX_GEN)
+
+
+def wait_serving(applier: Applier, node_id: str, version: int, timeout_s: float = SWITCH_TIMEOUT_S) -> bool:
+    """Poll the node until its server answers with config ``version`` (deadline ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = applier.serve_status(node_id)
+        if status and status.get("ready") and status.get("config_version") == version \
+                and not status.get("switching_to"):
+            return True
+        time.sleep(0.5)  # polling the node's state with a deadline
+    return False
+
+
+def collect(node_id: str, chip_key: str, payload: dict, control_ids: list[str], model: ModelInfo | None,
+            applier: Applier) -> dict:
+    """The canary's figures, in the payload's own objective (a higher-is-better rate): a benchmark
+    on a node that does not serve; on one that serves, once it serves the payload's version, its
+    served samples and those of up to ``MAX_CONTROLS`` serving nodes of ``control_ids`` (still on
+    the old config), over one stretch of time."""
+    obj = objective_named(payload["objective"])
+    base = {"node": node_id, "chip": chip_key, "objective": obj.name, "version": int(payload["version"])}
+    status = applier.serve_status(node_id)
+    if status is None:
+        return {**base, "method": "benchmark", "rate": applier.verify(node_id, chip_key, model, payload)}
+    n_prompt, n_gen = probe_workload(payload)
+    n_gen_measured = generated_per_sample(obj, n_gen)
+    if not wait_serving(applier, node_id, int(payload["version"])):
+        return {**base, "method": "served", "switched": False, "status": status, "switch_timeout_s": SWITCH_TIMEOUT_S}
+    serving_controls = [c for c in control_ids if applier.serve_status(c) is not None][:MAX_CONTROLS]
+    figures_of = probe_interleaved(applier, [node_id, *serving_controls], n_prompt, n_gen_measured)
+    canary = figures_of[node_id]
+    controls = []
+    for control in serving_controls:
+        figures = figures_of[control]
+        figures["rate"] = served_rate(obj, figures, n_prompt, n_gen)
+        try:
+            held = applier.read(control)
+        except Exception:  # noqa: BLE001 - its expected figure is then unknown
+            held = None
+        same_measure = held and held["objective"] == obj.name and held.get("workload") == payload.get("workload")
+        figures["expected"] = held["expected_tps"] if same_measure else None
+        figures["node"] = control
+        controls.append(figures)
+    rates = [c["rate"] for c in controls if c["rate"]]
+    return {**base, "method": "served", "switched": True, "workload": [n_prompt, n_gen],
+            "generated_per_sample": n_gen_measured, "canary": canary,
+            "rate": served_rate(obj, canary, n_prompt, n_gen), "controls": controls,
+            "control_rate": statistics.median(rates) if rates else None}  # of two: their mean
+
+
+def judge(figures: dict, expected: float, tolerance: float) -> Verdict:
+    """The verdict on a canary's ``figures`` (``collect``), held to ``expected`` (tok/s) and to its
+    control group, each within ``tolerance``. Pure: no node, no clock, no database."""
+    where = f"canary {str(figures.get('node', '?'))[:12]} ({figures.get('chip', '?')})"
+    rate = figures.get("rate")
+    analysis = {**figures, "expected": expected, "tolerance": tolerance}
+    if figures["method"] == "benchmark":
+        floor = expected * (1 - tolerance)
+        analysis["floor"] = floor
+        got = "the benchmark failed" if rate is None else f"{rate:.2f} tok/s"
+        if rate is None or rate < floor:
+            return Verdict(FAIL, rate, f"{where}: {got}, expected at least {floor:.2f} ({expected:.2f} - "
+                           f"{tolerance:.0%})", analysis, got)
+        return Verdict(PASS, rate, None, analysis, got)
+    version = figures.get("version")
+    if not figures.get("switched"):
+        return Verdict(FAIL, None, f"{where}: does not serve config {version} within "
+                       f"{figures.get('switch_timeout_s', SWITCH_TIMEOUT_S):g}s", analysis, "not switched")
+    canary, controls = figures.get("canary") or {}, figures.get("controls") or []
+    if canary.get("served") and canary.get("config_versions") != [version]:
+        return Verdict(INCONCLUSIVE, None, f"{where}: served config(s) {canary.get('config_versions')} while "
+                       f"measured, not {version} only", analysis, "switched away")
+    if rate is None:
+        if not canary.get("served"):
+            return Verdict(FAIL, None, f"{where}: no served figures ({canary.get('error')})", analysis, "no rate")
+        if canary.get("errors"):
+            return Verdict(FAIL, None, f"{where}: {canary['errors']} of {canary.get('requests', '?')} served "
+                           f"requests failed ({'; '.join(canary.get('failures') or [])})", analysis, "no rate")
+        return Verdict(INCONCLUSIVE, None, f"{where}: no {figures.get('objective')} rate from its served requests "
+                       f"({canary.get('n_gen')} tokens generated)", analysis, "no rate")
+    control_rate = figures.get("control_rate")
+    if controls and not control_rate:
+        return Verdict(INCONCLUSIVE, rate, f"{where}: its control group of {len(controls)} gave no figures "
+                       f"({'; '.join(str(c.get('error') or c.get('errors')) for c in controls)})", analysis,
+                       "no control")
+    summary = f"{rate:.2f} tok/s served ({figures.get('objective')}), ttft {canary['ttft_s'] * 1000:.0f} ms"
+    if control_rate:
+        analysis["ab_floor"] = control_rate * (1 - tolerance)
+        if rate < analysis["ab_floor"]:
+            return Verdict(FAIL, rate, f"{where}: {rate:.2f} tok/s served, control group {control_rate:.2f}: "
+                           f"slower by more than {tolerance:.0%}", analysis, summary)
+    old_expected = [c["expected"] for c in controls if c.get("rate") and c.get("expected")]
+    scale = (control_rate / old_expected[0]) if control_rate and old_expected else (None if control_rate else 1.0)
+    if scale is not None:
+        analysis["expected_floor"] = expected * scale * (1 - tolerance)
+        if rate < analysis["expected_floor"]:
+            return Verdict(FAIL, rate, f"{where}: {rate:.2f} tok/s served, expected at least "
+                           f"{analysis['expected_floor']:.2f} ({expected:.2f} x {scale:.2f} served/bench - "
+                           f"{tolerance:.0%})", analysis, summary)
+    if control_rate:
+        summary += f", control {control_rate:.2f}"
+    return Verdict(PASS, rate, None, analysis, summary)
+
+
+def served_snapshot(applier: Applier, node_id: str, payload: dict) -> dict | None:
+    """A few requests of the payload's workload through the node's server (None: it serves
+    nothing): its rate in the payload's objective, time to first token, errors, config served."""
+    if applier.serve_status(node_id) is None:
+        return None
+    obj = objective_named(payload["objective"])
+    n_prompt, n_gen = probe_workload(payload)
+    try:
+        summary = probe_interleaved(applier, [node_id], n_prompt, generated_per_sample(obj, n_gen),
+                                    SNAPSHOT_ROUNDS)[node_id]
+    except Exception as exc:  # noqa: BLE001 - a record we could not take is left out, said why
+        return {"error": str(exc)}
+    return {"rate": served_rate(obj, summary, n_prompt, n_gen),
+            "sample_rates": sample_rates(obj, summary, n_prompt, n_gen),
+            "ttft_s": summary.get("ttft_s"),
+            "best_ttft_s": summary.get("best_ttft_s"), "tg_tps": summary.get("tg_tps"),
+            "pp_tps": summary.get("pp_tps"), "best_tg_tps": summary.get("best_tg_tps"),
+            "best_pp_tps": summary.get("best_pp_tps"), "requests": summary.get("requests"),
+            "errors": summary.get("errors"), "config_versions": summary.get("config_versions")}
