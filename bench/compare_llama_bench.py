@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from workers import llamatools  # noqa: E402
 from workers.bench import cpu_only, measure  # noqa: E402
 from workers.errors import BadInput  # noqa: E402
 from workers.hardware import Fingerprint, fingerprint_live  # noqa: E402
@@ -74,18 +74,11 @@ def run_fleettune(model, sha256: str, case: Case, p: int, n: int, r: int) -> dic
 
 
 def llama_bench_argv(exe: str, model: str, case: Case, p: int, n: int, r: int, repack: bool) -> list[str]:
-    return [exe, "-m", model, "-p", str(p), "-n", str(n), "-r", str(r), "-d", str(case.depth),
-            *case.params.llama_cpp_flags("llama-bench").split(), "--repack", str(int(repack)), "-o", "json"]
+    return llamatools.llama_bench_argv(exe, model, case.params, n_prompt=p, n_gen=n, reps=r, depth=case.depth,
+                                       repack=repack)
 
 
-def run_llama_bench(argv: list[str]) -> dict[str, float]:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"llama-bench exited with {done.returncode}: {tail[0]}")
-    rows = json.loads(done.stdout)
-    return {("pp" if row["n_prompt"] else "tg") + str(row["n_prompt"] or row["n_gen"]): row["avg_ts"]
-            for row in rows}
+run_llama_bench = llamatools.run_llama_bench  # the library's: one run, its JSON read as rates
 
 
 def join_configs(argv: list[str]) -> list[str]:
@@ -183,7 +176,7 @@ def main() -> int:
                 started = time.time()
                 try:
                     figures = run()
-                except (RuntimeError, ValueError, KeyError) as exc:  # one failed run; the rest go on
+                except (RuntimeError, ValueError, KeyError, llamatools.ToolError) as exc:  # one failed run; the rest go on
                     print(f"round {round_no + 1} {case.label} {tool}: {exc}", file=sys.stderr, flush=True)
                     figures = {}
                 log.append({"round": round_no, "config": case.label, "tool": tool, "started": started,

@@ -28,7 +28,7 @@ from workers import service as svc
 from workers.bench import bench_local, default_threads
 from workers.errors import BadInput, FleettuneError
 from workers.files import atomic_output, check_writable
-from workers.hardware import fingerprint_from_dir, fingerprint_live
+from workers.hardware import fingerprint_from_dir, fingerprint_live, gpu_unused
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 from workers.objective import OBJECTIVE_NAMES, OBJECTIVES
 from workers.objective import objective as objective_named
@@ -120,6 +120,7 @@ timeout_option = _reusable("--timeout", default=600.0, show_default=True,
 apply_timeout_option = _reusable("--apply-timeout", default=60.0, show_default=True,
                                  type=click.FloatRange(0.1, 3600),
                                  help="Seconds a node has to answer an apply before it counts as failed.")
+force_option = _reusable("--force", is_flag=True)
 quant_option = _reusable("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape.")
 seed_option = _reusable("--seed", type=int, help="Sampler seed, for reproducible proposals.")
 output_file_option = _reusable("-o", "--output", dest="out", type=click.Path(dir_okay=False),
@@ -214,6 +215,8 @@ def hw_show(from_dir: str | None, fmt: str) -> None:
     """Show the chip, cores, GPU, memory and bandwidth fleettune routes by."""
     fp = fingerprint_from_dir(from_dir) if from_dir else fingerprint_live()
     click.echo(render_record(fp.to_dict(), fmt))
+    if warning := gpu_unused(fp):
+        click.echo(f"warning: {warning}", err=True)
 
 
 # ---------------------------------------------------------------- models
@@ -304,7 +307,7 @@ def model_list(db_url: str | None, fmt: str) -> None:
 @click.argument("model_ref", metavar="MODEL")
 @chip_option(help="Only nodes of this chip.")
 @address_option()
-@click.option("--force", is_flag=True, help="Replace a different file at the model's path on a node.")
+@force_option(help="Replace a different file at the model's path on a node.")
 @db_option
 @output_options()
 def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
@@ -438,16 +441,23 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, s
                 for o in outcomes]
         click.echo(render(rows, ALL_CHIPS_COLUMNS, fmt))
         return
+    def warn_gpu_unused(runner) -> None:
+        if warning := gpu_unused(runner.target.fingerprint):
+            console.print(f"warning: {warning}", markup=False, highlight=False)
+
     if quiet or fmt != "table":
-        outcome = run_tune(db, cfg, address=address, chip_key=chip_key, warm=warm)
+        outcome = run_tune(db, cfg, address=address, chip_key=chip_key, warm=warm, on_ready=warn_gpu_unused)
     else:
         progress, update = _progress_printer(console)
+
+        def ready(runner) -> None:
+            console.print(f"study [bold]{escape(runner.name)}[/] on {escape(runner.target.key)} "
+                          f"({escape(db.display_url)})")
+            warn_gpu_unused(runner)
+
         with progress:
-            outcome = run_tune(
-                db, cfg, address=address, chip_key=chip_key, on_progress=update, warm=warm,
-                on_ready=lambda r: console.print(f"study [bold]{escape(r.name)}[/] on {escape(r.target.key)} "
-                                                 f"({escape(db.display_url)})"),
-            )
+            outcome = run_tune(db, cfg, address=address, chip_key=chip_key, on_progress=update, warm=warm,
+                               on_ready=ready)
     click.echo(render_record(_outcome_record(outcome, cfg), fmt))
 
 
@@ -822,7 +832,7 @@ def rollout_history(db_url, fmt) -> None:
 @model_option(dest="model_path", required=True, type=click.Path(dir_okay=False),
               help="The GGUF file this node serves.")
 @click.option("--server", type=click.Choice(["auto", "llama-cpp-python", "llama-server"]), default="auto",
-              show_default=True, help="auto: llama-server where it is on PATH, else llama-cpp-python.")
+              show_default=True, help="auto: llama-server where it is found (`fleettune tools show`), else llama-cpp-python.")
 @host_option(help="Address the OpenAI API listens on.")
 @port_option(help=None)
 @click.option("--node-id", help="Ray node id whose config to serve (default: this machine's raylet).")
@@ -833,6 +843,74 @@ def serve_command(model_path, server, host, port, node_id, address) -> None:
     serve.serve(model_path, node_id=node_id, server=server, host=host, port=port, address=address,
                 on_ready=lambda sup: click.echo(f"serving {sup.alias} on {sup.address} (node {sup.node_id[:12]}, "
                                                 f"{sup.kind.name})", err=True))
+
+
+# ---------------------------------------------------------------- llama.cpp's own tools
+
+
+@main.group()
+def tools() -> None:
+    """llama.cpp's own tools (llama-server, llama-bench, llama-perplexity): build, find."""
+
+
+@tools.command("build")
+@click.option("--backend", type=click.Choice(["cpu", "cuda", "metal"]), default=None,
+              help="Default: metal on macOS; cuda where CMAKE_ARGS has -DGGML_CUDA=on; else cpu.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Parallel compile jobs (default: all cores).")
+@force_option(help="Build again even where the cache has this build.")
+@output_options()
+def tools_build(backend, jobs, force, fmt) -> None:
+    """Build llama-server, llama-bench and llama-perplexity from the llama.cpp that llama-cpp-python
+    vendors, once, into ~/.cache/fleettune/llama.cpp-<version>-<backend>/bin (reused when there)."""
+    from workers import llamatools
+
+    info = llamatools.build(backend, jobs=jobs, force=force, echo=lambda line: click.echo(line, err=True))
+    click.echo(render_record({"bin": str(llamatools.build_dir(info["backend"]) / "bin"), **info}, fmt))
+
+
+@tools.command("show")
+@output_options()
+def tools_show(fmt) -> None:
+    """Where each tool is found (its variable, fleettune's build, PATH) and which llama.cpp it is."""
+    from workers import llamatools
+
+    click.echo(render(llamatools.tool_rows(), [Column("tool", "tool"), Column("path", "path"),
+                                                Column("commit", "commit"), Column("backend", "backend")], fmt))
+
+
+VERIFY_COLUMNS = [
+    Column("config", "configuration"),
+    Column("llama_bench_flags", "llama-bench flags"),
+    Column("median_tps", "t/s (median)", ".1f", "right"),
+    Column("claimed", "study claimed", justify="right"),
+    Column("measured", "llama-bench measured (95 % interval)"),
+    Column("claim_inside", "claim inside"),
+]
+
+
+@main.command()
+@click.argument("study")
+@click.option("--rounds", type=click.IntRange(min=2), default=5, show_default=True,
+              help="Interleaved rounds (order rotating: A B C, B C A, ...).")
+@reps_option(type=click.IntRange(min=1), default=None, show_default=False,
+             help="llama-bench -r of each run (default: the study's repetitions).")
+@db_option
+@output_options()
+def verify(study, rounds, reps, db_url, fmt) -> None:
+    """Referee STUDY's claims with llama-bench: its recommendation and both baselines measured
+    again in interleaved rounds on this machine; each gain with its interval beside the claim."""
+    from orchestrator.verify import verify_study
+
+    console = Console(stderr=True)
+    report = verify_study(_open_db(db_url), study, rounds=rounds, reps=reps,
+                          on_round=lambda n, rates: console.print(
+                              f"round {n}/{rounds}: " + ", ".join(f"{k} {v or 0:.1f}" for k, v in rates.items()),
+                              markup=False))
+    w = report.plan.workload
+    console.print(f"study {report.plan.study} ({report.plan.objective.name}; -p {w.n_prompt} -n {w.n_gen} "
+                  f"-d {w.depth} -r {w.reps}); llama-bench {report.binary} (commit {report.build.get('commit')})",
+                  markup=False, highlight=False)
+    click.echo(render(report.rows(), VERIFY_COLUMNS, fmt))
 
 
 @main.group()

@@ -260,3 +260,18 @@ def ray_cluster(local_fingerprint):
 @pytest.fixture(scope="session")
 def fleet_cluster(ray_cluster):
     return ray_cluster
+
+
+def require_llama_tool(name: str) -> str:
+    """The path of llama.cpp's tool ``name`` (workers.llamatools.find_tool); where there is none,
+    a skip, except in CI (CI=true, as .ci/run sets after building the tools), where it is a failure."""
+    from workers import llamatools
+
+    found = llamatools.find_tool(name)
+    if found:
+        return found
+    message = (f"no {name} binary: not named by {llamatools.ENV_VARS[name]}, not in fleettune's build cache, "
+               "not on PATH (`fleettune tools build`, or `brew install llama.cpp` on a Mac)")
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)

@@ -1,13 +1,13 @@
 """`fleettune serve --server llama-server`: llama.cpp's own server behind the same supervisor and
-config interface as llama-cpp-python's, when a `llama-server` binary is found (PATH, or the file
-$FLEETTUNE_LLAMA_SERVER names); skipped, saying so, otherwise. A config change restarts it on the
+config interface as llama-cpp-python's, when a `llama-server` binary is found (the file
+$FLEETTUNE_LLAMA_SERVER names, `fleettune tools build`'s cache, PATH); skipped, saying so, otherwise,
+except in CI (CI=true), where a missing binary fails: CI builds it before the tests (.ci/run). A config change restarts it on the
 same port (not zero-drop: docs/serving.md), so this test asserts the serve path, the switch, the
 restart after a kill and the served probe, not the absence of drops."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,17 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
-from workers import nodeconfig, probe, serve
+from tests.conftest import require_llama_tool, wait_until
+from workers import llamatools, nodeconfig, probe, serve
 from workers.models import read_model_info
 
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
 NODE = "1c" * 16
-BINARY = os.environ.get("FLEETTUNE_LLAMA_SERVER") or shutil.which("llama-server")
+BINARY = llamatools.find_tool("llama-server")
 
-pytestmark = pytest.mark.skipif(
-    not BINARY, reason="no llama-server binary: not on PATH and FLEETTUNE_LLAMA_SERVER unset "
-                       "(build one from llama.cpp's tools/server, docs/serving.md)")
+
+@pytest.fixture(scope="session", autouse=True)
+def llama_server_binary() -> str:
+    """Decided before the model is fetched: a skip without the binary, a failure in CI."""
+    return require_llama_tool("llama-server")
 
 
 def payload(sha256: str, version: int, n_threads: int) -> dict:
@@ -54,6 +56,7 @@ def test_llama_server_serves_switches_config_and_comes_back_after_a_kill(model_p
         status = wait_until(lambda: (s := serve.read_status(NODE)) and s["healthy"] and s["fresh"] and s,
                             timeout=180)
         assert status["kind"] == "llama-server" and status["config_version"] == 0
+        assert status["llama_build"] == llamatools.identity(BINARY)  # the build, recorded with what it serves
         assert complete(status).strip()  # the OpenAI API answers, with generated text
 
         nodeconfig.write(NODE, payload(sha256, 1, 1))

@@ -510,6 +510,18 @@ def llama_offload_supported() -> bool | None:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+def gpu_unused(fp: Fingerprint) -> str | None:
+    """One line where the machine has a GPU but its llama.cpp build cannot offload to it (every
+    configuration then runs on the CPU), with how to get the GPU build; None otherwise."""
+    if fp.gpu_offload or not fp.gpu_name:
+        return None
+    if fp.vendor == "Apple":
+        fix = "reinstall llama-cpp-python on this Mac (pip builds it with Metal): sh install.sh"
+    else:
+        fix = "rebuild it with CUDA: FLEETTUNE_CUDA=1 sh install.sh (CMAKE_ARGS=-DGGML_CUDA=on)"
+    return f"this machine has a GPU ({fp.gpu_name}) but its llama.cpp has no GPU offload; {fix}"
+
+
 def fingerprint_live(offload_probe: Callable[[], bool | None] = llama_offload_supported) -> Fingerprint:
     """Fingerprint this machine from its own commands and files."""
     system = platform.system()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -43,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers import knobs, nodeconfig
+from workers import knobs, llamatools, nodeconfig
 from workers.errors import BadInput
 from workers.files import atomic_write
 from workers.nodeconfig import BadConfigFile, NodeConfig
@@ -94,6 +93,7 @@ class ServerKind:
     name = "?"
     takes_socket = False  # can it accept on the supervisor's inherited socket
     health_path = "/v1/models"  # answers 200 once the model is loaded
+    build: dict | None = None  # llama.cpp's build (commit, backend) where the kind can tell
 
     def argv(self, model_path: str, alias: str, params: BenchParams, *, listen_fd: int | None,
              ready_fd: int | None, port: int | None, host: str = "127.0.0.1") -> list[str]:
@@ -118,10 +118,11 @@ class LlamaServer(ServerKind):
     health_path = "/health"  # 503 while the model loads (it listens before loading)
 
     def __init__(self, binary: str | None = None) -> None:
-        self.binary = binary or os.environ.get("FLEETTUNE_LLAMA_SERVER") or shutil.which("llama-server")
+        self.binary = binary or llamatools.find_tool("llama-server")
         if not self.binary or not os.access(self.binary, os.X_OK):
-            raise BadInput("llama-server is not on PATH (nor named by FLEETTUNE_LLAMA_SERVER); "
-                           "use --server llama-cpp-python")
+            raise BadInput("llama-server not found (FLEETTUNE_LLAMA_SERVER, `fleettune tools build`'s cache, "
+                           "PATH); use --server llama-cpp-python")
+        self.build = llamatools.identity(self.binary)
 
     def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
         # one slot, as llama-cpp-python serves: the whole context for one request at a time
@@ -136,7 +137,7 @@ def server_kind(name: str) -> ServerKind:
     if name == "llama-server":
         return LlamaServer()
     if name == "auto":
-        found = os.environ.get("FLEETTUNE_LLAMA_SERVER") or shutil.which("llama-server")
+        found = llamatools.find_tool("llama-server")
         return LlamaServer(found) if found else LlamaCppPython()
     raise BadInput(f"unknown server kind {name!r}; choose llama-cpp-python, llama-server or auto")
 
@@ -322,7 +323,7 @@ class Supervisor:
         child = self.current
         config = child.config if child else None
         _write_status(self.node_id, {
-            "address": self.address, "kind": self.kind.name, "model": self.alias,
+            "address": self.address, "kind": self.kind.name, "llama_build": self.kind.build, "model": self.alias,
             "model_sha256": self.model_sha256, "config_version": config.version if config else 0,
             "params": config.params if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
             "config_error": self.config_error,

@@ -120,9 +120,10 @@ def fleettune_trials(log: Path, db: str) -> tuple[float, list[dict]]:
 
 
 def bench_tg(exe: str, model: str, flags: list[str], n: int, r: int) -> float:
+    from workers.llamatools import run_llama_bench
+
     argv = [exe, "-m", model, "-p", "0", "-n", str(n), "-r", str(r), "-o", "json", *flags]
-    done = subprocess.run(argv, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)[0]["avg_ts"]
+    return run_llama_bench(argv)[f"tg{n}"]
 
 
 def compare(args) -> dict:

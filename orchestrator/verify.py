@@ -1,0 +1,159 @@
+"""``fleettune verify``: a study's claims refereed by llama.cpp's own llama-bench (issue 20 item 7).
+
+The study's recommendation and both baselines (llama-cpp-python's defaults, llama.cpp's defaults,
+as the study measured them) are measured again by llama-bench on this machine, in interleaved
+rounds whose order rotates (A B C, B C A, C A B, ...) so that time and position touch each alike,
+``-r`` repetitions each, at the study's workload (``-p/-n/-d``). Each round gives one rate per
+configuration in the study's objective; the ratio of the recommendation over each baseline comes
+with its interval from ``orchestrator.pairedstats`` and is printed beside the ratio the study
+claimed. The measuring is the worker's (``workers.llamatools.measure_with_llama_bench``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator import learn
+from orchestrator.db import Database, repo
+from orchestrator.pairedstats import RatioInterval, ratio_interval
+from workers import llamatools
+from workers.errors import BadInput
+from workers.objective import Objective, objective
+from workers.trial import BenchParams, Workload
+
+RECOMMENDATION = "recommendation"
+DEFAULT_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """What to measure: a study's three configurations at its workload, and what it claimed."""
+
+    study: str
+    chip_key: str
+    model_path: str
+    objective: Objective
+    workload: Workload
+    configs: dict[str, BenchParams]  # recommendation first, then the baselines in the study's order
+    claims: dict[str, float]  # baseline name -> the study's ratio (recommendation over it)
+    simulated: bool = False
+
+
+@dataclass
+class VerifyReport:
+    plan: VerifyPlan
+    binary: str
+    build: dict
+    orders: list[list[str]] = field(default_factory=list)
+    rates: dict[str, list[float | None]] = field(default_factory=dict)  # per configuration, per round
+
+    def ratio(self, baseline: str) -> RatioInterval:
+        rec = self.rates[RECOMMENDATION]
+        return ratio_interval([x if x is not None else float("nan") for x in rec],
+                              [x if x is not None else float("nan") for x in self.rates[baseline]])
+
+    def rows(self) -> list[dict]:
+        """One row per configuration: its flags, its median rate, and (baselines) the ratios."""
+        out = []
+        for name, params in self.plan.configs.items():
+            measured = [x for x in self.rates.get(name, []) if x is not None]
+            row = {"config": name, "llama_bench_flags": _flags_shown(params, self.plan.workload),
+                   "median_tps": statistics.median(measured) if measured else None, "rounds": len(measured)}
+            if name != RECOMMENDATION:
+                interval = self.ratio(name)
+                claimed = self.plan.claims.get(name)
+                row.update({
+                    "claimed_ratio": claimed,
+                    "claimed": f"{(claimed - 1) * 100:+.1f} %" if claimed is not None else None,
+                    "measured_ratio": interval.ratio,
+                    "low": interval.low,
+                    "high": interval.high,
+                    "verdict": interval.verdict.value,
+                    "measured": interval.describe(),
+                    "claim_inside": interval.contains(claimed) if claimed is not None and interval.rounds >= 2
+                    else None,
+                })
+            out.append(row)
+        return out
+
+
+def _flags_shown(params: BenchParams, workload: Workload) -> str:
+    """The llama-bench flags of a configuration as verify runs it: where the prompt threads differ
+    from the generation threads, the pp run's ``-t`` is the prompt threads (llama-bench has no -tb)."""
+    runs = llamatools.bench_runs("llama-bench", "MODEL", params, workload)
+    flags = [" ".join(argv[argv.index("-d") + 2:argv.index("-o")]) for argv in runs]
+    return flags[0] if len(flags) == 1 else f"pp: {flags[0]}; tg: {flags[1]}"
+
+
+def rotation(names: list[str], rounds: int) -> list[list[str]]:
+    """Round ``i`` starts at the ``i``-th name: A B C, B C A, C A B, A B C, ..."""
+    k = len(names)
+    return [[names[(i + j) % k] for j in range(k)] for i in range(rounds)]
+
+
+def plan(db: Database, study_name: str, reps: int | None = None) -> VerifyPlan:
+    """The study's recommendation and baselines, its workload and its claims; BadInput when the
+    study is unknown or has no recommendation."""
+    with db.session() as s:
+        study = repo.get_study(s, study_name)
+        if study is None:
+            raise BadInput(f"unknown study {study_name!r}")
+        recs = [r for r in repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
+                if r.study_id == study.id]
+        if not recs:
+            raise BadInput(f"study {study_name!r} has no recommendation (not finished?)")
+        rec = recs[0]
+        distinct: dict[str, BenchParams] = {}
+        for trial in repo.study_trials(s, study.id, phase="baseline"):  # the study's order (learn.recommend)
+            params = BenchParams.from_dict(trial.params)
+            distinct.setdefault(learn.config_key(params), params)
+        baselines = dict(zip((learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP), distinct.values(), strict=False))
+        claims = {name: rec.expected_tps / value for name, value in (rec.baselines or {}).items() if value}
+        if not study.model.path:
+            raise BadInput(f"study {study_name!r}'s model has no file path on record")
+        return VerifyPlan(
+            study=study.name, chip_key=study.chip.key, model_path=study.model.path,
+            objective=objective(study.objective),
+            workload=Workload(n_prompt=study.n_prompt, n_gen=study.n_gen, reps=reps or study.reps,
+                              depth=study.depth or 0),
+            configs={RECOMMENDATION: BenchParams.from_dict(rec.params), **baselines},
+            claims=claims, simulated=study.simulated,
+        )
+
+
+def verify_study(db: Database, study_name: str, *, rounds: int = DEFAULT_ROUNDS, reps: int | None = None,
+                 on_round: Callable[[int, dict[str, float | None]], None] | None = None) -> VerifyReport:
+    """Re-measure the study's recommendation and baselines with llama-bench, interleaved."""
+    from workers.hardware import fingerprint_live
+    from workers.llamacompat import extra_buffers_usable
+
+    if rounds < 2:
+        raise BadInput(f"--rounds {rounds}: an interval needs at least 2 rounds")
+    binary = llamatools.find_tool("llama-bench")
+    if binary is None:
+        raise BadInput("llama-bench not found (FLEETTUNE_LLAMA_BENCH, fleettune's build, PATH): "
+                       "run `fleettune tools build` (Linux) or `brew install llama.cpp` (macOS)")
+    todo = plan(db, study_name, reps)
+    if todo.simulated:
+        raise BadInput(f"study {study_name!r} is simulated: llama-bench referees real measurements only")
+    here = fingerprint_live().chip_key
+    if here != todo.chip_key:
+        raise BadInput(f"study {todo.study!r} measured chip {todo.chip_key}; this machine is {here}: "
+                       "run verify on a node of that chip")
+    repack = extra_buffers_usable(todo.model_path)  # llama-bench's --repack: the buffers fleettune used
+    report = VerifyReport(todo, binary, llamatools.identity(binary))
+    report.rates = {name: [] for name in todo.configs}
+    w = todo.workload
+    for number, order in enumerate(rotation(list(todo.configs), rounds), start=1):
+        report.orders.append(order)
+        measured: dict[str, float | None] = {}
+        for name in order:
+            figures = llamatools.measure_with_llama_bench(binary, todo.model_path, todo.configs[name], w, repack)
+            measured[name] = todo.objective.rate(figures.pp_tps, figures.tg_tps, w.n_prompt, w.n_gen)
+        for name in todo.configs:
+            report.rates[name].append(measured[name])
+        if on_round:
+            on_round(number, measured)
+    return report

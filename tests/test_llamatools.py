@@ -1,0 +1,296 @@
+"""llama.cpp's own tools as dependencies (issue 22 item 4; issue 20 items 7 and 8): where each is found,
+which build it is, how the build is configured and reused, llama-bench's runs of a configuration,
+``fleettune verify``'s plan and refusals, and the one line for a GPU that llama.cpp cannot use."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator import learn, verify
+from orchestrator.cli import main
+from orchestrator.db import open_database
+from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner
+from orchestrator.virtual import VirtualFleet
+from tests.conftest import require_llama_tool
+from workers import hardware, llamatools, simulated
+from workers.errors import BadInput
+from workers.trial import BenchParams, Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def clean_env(tmp_path, monkeypatch):
+    """No tool variables, an empty cache and a PATH of one empty folder."""
+    for var in llamatools.ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "path").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    return tmp_path
+
+
+def test_a_tool_is_found_by_its_variable_then_the_build_cache_then_path(clean_env, monkeypatch):
+    assert llamatools.find_tool("llama-server") is None
+    on_path = executable(clean_env / "path" / "llama-server")
+    assert llamatools.find_tool("llama-server") == str(on_path)
+    cached = executable(llamatools.build_dir("cpu") / "bin" / "llama-server")
+    assert llamatools.find_tool("llama-server") == str(cached)  # fleettune's build before PATH
+    assert str(cached).startswith(str(clean_env / "cache" / "fleettune" / "llama.cpp-0.3.36-cpu" / "bin"))
+    named = executable(clean_env / "mine" / "llama-server")
+    monkeypatch.setenv("FLEETTUNE_LLAMA_SERVER", str(named))
+    assert llamatools.find_tool("llama-server") == str(named)  # the variable before everything
+    monkeypatch.setenv("FLEETTUNE_LLAMA_SERVER", str(clean_env / "missing"))
+    assert llamatools.find_tool("llama-server") is None  # a variable naming nothing is not skipped over
+    assert llamatools.find_tool("llama-bench") is None  # each tool has its own variable and file
+    monkeypatch.setenv("FLEETTUNE_LLAMA_BENCH", str(named))
+    assert llamatools.find_tool("llama-bench") == str(named)
+    with pytest.raises(BadInput):
+        llamatools.find_tool("llama-cli")
+
+
+def test_a_gpu_build_in_the_cache_is_found_before_the_cpu_one(clean_env):
+    executable(llamatools.build_dir("cpu") / "bin" / "llama-bench")
+    cuda = executable(llamatools.build_dir("cuda") / "bin" / "llama-bench")
+    assert llamatools.find_tool("llama-bench") == str(cuda)
+
+
+def test_serve_finds_llama_server_the_same_way(clean_env):
+    from workers import serve
+
+    with pytest.raises(BadInput, match="tools build"):
+        serve.server_kind("llama-server")
+    assert serve.server_kind("auto").name == "llama-cpp-python"
+    cached = executable(llamatools.build_dir("cpu") / "bin" / "llama-server")
+    kind = serve.server_kind("auto")
+    assert kind.name == "llama-server" and kind.binary == str(cached)
+
+
+def test_the_identity_of_a_build_and_of_another_binary(clean_env):
+    built = executable(llamatools.build_dir("cpu") / "bin" / "llama-bench")
+    (llamatools.build_dir("cpu") / "build.json").write_text(json.dumps(
+        {"llama_cpp_python": "0.3.36", "commit": "0c1e57098", "backend": "cpu"}))
+    assert llamatools.identity(str(built))["commit"] == "0c1e57098"
+    assert llamatools.identity(str(built))["backend"] == "cpu"
+    brewed = executable(clean_env / "brew" / "bin" / "llama-bench",
+                        "#!/bin/sh\necho 'version: 6100 (4df29be4f)' >&2\necho 'built with clang' >&2\n")
+    found = llamatools.identity(str(brewed))
+    assert found["version"] == "6100" and found["commit"] == "4df29be4f"
+
+
+def test_the_build_is_configured_offline_without_the_web_ui(monkeypatch):
+    monkeypatch.setattr(llamatools, "amx_reported", lambda: False)
+    args = llamatools.cmake_args("cpu", "0c1e57098")
+    for wanted in ("-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                   "-DLLAMA_BUILD_COMMIT=0c1e57098", "-DBUILD_SHARED_LIBS=OFF"):
+        assert wanted in args
+    assert not any("amx" in a for a in args)
+    assert "-DGGML_CUDA=ON" in llamatools.cmake_args("cuda", None)
+    monkeypatch.setattr(llamatools, "amx_reported", lambda: True)  # as install.sh builds the library there
+    assert f"-DCMAKE_CXX_FLAGS={llamatools.NO_AMX_FLAGS}" in llamatools.cmake_args("cpu", None)
+
+
+def test_the_vendored_commit_comes_from_the_releases_changelog(tmp_path):
+    (tmp_path / "CHANGELOG.md").write_text(
+        "# Changelog\n\n## [Unreleased]\n\n## [0.3.36]\n\n- feat: update llama.cpp to ggml-org/llama.cpp@0c1e57098\n\n"
+        "## [0.3.35]\n\n- feat: update llama.cpp to ggml-org/llama.cpp@4df29be4f\n")
+    assert llamatools.vendored_commit(tmp_path, "0.3.36") == "0c1e57098"
+    assert llamatools.vendored_commit(tmp_path, "0.3.35") == "4df29be4f"
+    assert llamatools.vendored_commit(tmp_path, "0.3.1") is None
+
+
+def test_a_build_in_the_cache_is_reused_and_a_bad_backend_refused(clean_env, monkeypatch):
+    monkeypatch.setenv("PATH", os.environ["PATH"] + os.pathsep + "/usr/bin:/bin")  # cmake and c++ are there
+    if not (llamatools.shutil.which("cmake") and llamatools.shutil.which("c++")):
+        pytest.skip("no cmake or c++ on this machine")
+    target = llamatools.build_dir("cpu")
+    for name in llamatools.TOOLS:
+        executable(target / "bin" / name)
+    (target / "build.json").write_text(json.dumps({"llama_cpp_python": "0.3.36", "commit": "x", "backend": "cpu"}))
+    info = llamatools.build("cpu")
+    assert info["reused"] and info["commit"] == "x"  # nothing built: no cmake ran, no log was written
+    assert not list((clean_env / "cache" / "fleettune").glob("*.build.log"))
+    with pytest.raises(BadInput):
+        llamatools.build("vulkan")
+
+
+def test_llama_bench_runs_a_prompt_on_the_prompt_threads():
+    """llama-bench has no -tb: a configuration whose prompt threads differ is two runs, the pp one
+    with -t set to the prompt threads (issue 20 item 5's rule)."""
+    params = BenchParams(0, 4, 512, 512, n_threads_batch=8)
+    pp_run, tg_run = llamatools.bench_runs("lb", "m.gguf", params, Workload(64, 16, 2, depth=128), repack=False)
+    assert " -p 64 -n 0 " in " ".join(pp_run) and pp_run[pp_run.index("-t") + 1] == "8"
+    assert " -p 0 -n 16 " in " ".join(tg_run) and tg_run[tg_run.index("-t") + 1] == "4"
+    assert pp_run[pp_run.index("-d") + 1] == "128" and "-tb" not in pp_run and pp_run[-2:] == ["-o", "json"]
+    assert "--repack" in pp_run
+    (one,) = llamatools.bench_runs("lb", "m.gguf", BenchParams(0, 4, 512, 512), Workload(64, 16, 2))
+    assert " -p 64 -n 16 -r 2 " in " ".join(one)
+    (pp_only,) = llamatools.bench_runs("lb", "m.gguf", params, Workload(64, 0, 2))
+    assert pp_only[pp_only.index("-t") + 1] == "8"
+
+
+def test_llama_bench_json_is_read_as_rates():
+    text = json.dumps([{"n_prompt": 64, "n_gen": 0, "avg_ts": 812.5}, {"n_prompt": 0, "n_gen": 16, "avg_ts": 91.25}])
+    assert llamatools.parse_llama_bench_json(text) == {"pp64": 812.5, "tg16": 91.25}
+
+
+def test_a_failing_llama_bench_is_one_line(tmp_path):
+    broken = executable(tmp_path / "llama-bench", "#!/bin/sh\necho loading >&2\necho 'error: no model' >&2\nexit 1\n")
+    with pytest.raises(llamatools.ToolError, match="exited with 1: error: no model"):
+        llamatools.run_llama_bench([str(broken)])
+
+
+def test_rounds_rotate_the_order():
+    assert verify.rotation(["a", "b", "c"], 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+CHIP = simulated.parse_chip("M2 Ultra/76/192")
+MODEL = simulated.sim_model_info("sim://llama2-7b/q4_0")
+
+
+@pytest.fixture(scope="module")
+def simulated_study(tmp_path_factory) -> tuple[str, StudyRunner, object]:
+    """One finished simulated study (database URL, its runner, its outcome) for the tests below."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('verify') / 'results.db'}"
+    fleet = VirtualFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=3)
+    config = StudyConfig(model=MODEL, workload=Workload(512, 128, 1), n_trials=6, sampler="tpe", seed=1,
+                         name="sim-study")
+    run = StudyRunner(open_database(url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
+                      alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+    return url, run, run.run()
+
+
+def test_the_plan_is_the_studys_recommendation_baselines_workload_and_claims(simulated_study):
+    url, run, outcome = simulated_study
+    plan = verify.plan(open_database(url), "sim-study", reps=2)
+    rec = outcome.recommendation
+    assert list(plan.configs) == [verify.RECOMMENDATION, learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP]
+    assert plan.configs[learn.LLAMA_CPP_PYTHON] == run.baselines[learn.LLAMA_CPP_PYTHON]
+    assert plan.configs[learn.LLAMA_CPP] == run.baselines[learn.LLAMA_CPP]
+    assert plan.configs[verify.RECOMMENDATION] == rec.params
+    assert plan.workload == Workload(512, 128, 2) and plan.simulated and plan.objective.name == "tg"
+    assert plan.claims[learn.LLAMA_CPP] == pytest.approx(rec.expected_tps / rec.baselines[learn.LLAMA_CPP])
+
+
+def test_verify_refuses_with_one_line(simulated_study, clean_env, monkeypatch):
+    url = simulated_study[0]
+
+    def run(*args):
+        return CliRunner().invoke(main, ["verify", *args, "--db", url])
+
+    done = run("some-study")
+    assert done.exit_code == 2 and "llama-bench not found" in done.stderr and len(done.stderr.splitlines()) == 1
+    monkeypatch.setenv("FLEETTUNE_LLAMA_BENCH", str(executable(clean_env / "llama-bench")))
+    done = run("some-study")
+    assert done.exit_code == 2 and "unknown study 'some-study'" in done.stderr
+    done = run("sim-study")
+    assert done.exit_code == 2 and "simulated" in done.stderr and len(done.stderr.splitlines()) == 1
+    done = run("sim-study", "--rounds", "1")
+    assert done.exit_code == 2
+
+
+def test_a_gpu_llama_cpp_cannot_use_gets_one_line():
+    nvidia = {"gpu_name": "NVIDIA H200", "gpu_memory_bytes": 141 * 2**30}
+    cpuinfo = {"cpu_model": "Intel Xeon", "physical_cores": 16, "logical_cores": 32}
+    fields = hardware._linux_fingerprint(cpuinfo, {}, 2**40, nvidia, "Linux")
+    without = hardware._finish(fields, False)
+    line = hardware.gpu_unused(without)
+    assert without.backend == "cpu" and "NVIDIA H200" in line and "FLEETTUNE_CUDA=1" in line
+    assert hardware.gpu_unused(hardware._finish(fields, True)) is None
+    assert hardware.gpu_unused(hardware._finish(hardware._linux_fingerprint(cpuinfo, {}, 2**40, {}, "Linux"),
+                                                False)) is None  # no GPU: nothing to say
+    mac = hardware.apple_chip("M2 Max", 8, 4, 38, 400.0)
+    import dataclasses
+
+    assert "Metal" in hardware.gpu_unused(dataclasses.replace(mac, backend="cpu", gpu_offload=False))
+    assert hardware.gpu_unused(mac) is None
+
+
+def test_hw_show_says_so(monkeypatch):
+    from orchestrator import cli
+
+    nvidia = {"gpu_name": "NVIDIA H200", "gpu_memory_bytes": 141 * 2**30}
+    fields = hardware._linux_fingerprint({"cpu_model": "Intel Xeon", "physical_cores": 16, "logical_cores": 32},
+                                         {}, 2**40, nvidia, "Linux")
+    monkeypatch.setattr(cli, "fingerprint_live", lambda: hardware._finish(fields, False))
+    done = CliRunner().invoke(main, ["hw", "show", "--json"])
+    assert done.exit_code == 0 and json.loads(done.stdout)["backend"] == "cpu"
+    assert done.stderr.startswith("warning: this machine has a GPU (NVIDIA H200)")
+
+
+def test_a_missing_tool_skips_its_tests_but_fails_them_in_ci(clean_env, monkeypatch):
+    """Outside CI a missing llama-server or llama-bench skips the tests that need it; in CI (CI=true,
+    .ci/run, which builds the tools first) it fails them."""
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="no llama-server binary"):
+        require_llama_tool("llama-server")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="no llama-bench binary"):
+        require_llama_tool("llama-bench")
+    found = executable(llamatools.build_dir("cpu") / "bin" / "llama-bench")
+    assert require_llama_tool("llama-bench") == str(found)
+
+
+def test_ci_builds_the_tools_before_the_tests():
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "export CI=true" in run
+    line = next(x for x in run.splitlines() if "pytest" in x)
+    assert line.index("fleettune tools build") < line.index("pytest")
+
+
+# ---------------------------------------------------------------- with the real llama-bench and model
+
+@pytest.fixture(scope="session")
+def llama_bench() -> str:
+    return require_llama_tool("llama-bench")
+
+
+def test_llama_bench_measures_a_configuration_with_its_prompt_threads(llama_bench, model_path):
+    from workers.llamacompat import extra_buffers_usable
+
+    params = BenchParams(0, 1, 32, 32, n_threads_batch=2)
+    figures = llamatools.measure_with_llama_bench(llama_bench, str(model_path), params, Workload(32, 8, 1),
+                                                  repack=extra_buffers_usable(str(model_path)))
+    assert figures.pp_tps > 0 and figures.tg_tps > 0
+    build = llamatools.identity(llama_bench)
+    assert build["commit"]  # fleettune's build records the vendored commit; Homebrew's says its own
+
+
+def test_verify_referees_a_real_study_with_llama_bench(llama_bench, model_info, local_fingerprint, ray_cluster,
+                                                       sqlite_url):
+    from orchestrator.tune import tune
+
+    db = open_database(sqlite_url)
+    cfg = StudyConfig(model=model_info, n_trials=3, seed=1, confirm_top=1, objective="tg", name="referee-me",
+                      workload=Workload(n_prompt=32, n_gen=8, reps=1))
+    outcome = tune(db, cfg, chip_key=local_fingerprint.chip_key, warm=False)
+    assert outcome.recommendation is not None
+    report = verify.verify_study(db, "referee-me", rounds=3, reps=1)
+    assert report.orders == verify.rotation(list(report.plan.configs), 3)  # A B C, B C A, C A B
+    assert all(len(rates) == 3 and all(r and r > 0 for r in rates) for rates in report.rates.values())
+    rows = {row["config"]: row for row in report.rows()}
+    for name in (learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP):
+        row = rows[name]
+        assert row["low"] <= row["measured_ratio"] <= row["high"] and row["verdict"] in (
+            "faster", "slower", "no measurable difference")
+        assert row["claimed_ratio"] == pytest.approx(
+            outcome.recommendation.expected_tps / outcome.recommendation.baselines[name])
+    shown = CliRunner().invoke(main, ["verify", "referee-me", "--rounds", "2", "-r", "1", "--db", sqlite_url,
+                                      "--json"])
+    assert shown.exit_code == 0, shown.output
+    printed = json.loads(shown.stdout)
+    assert [r["config"] for r in printed] == list(report.plan.configs)
+    assert "round 2/2" in shown.stderr and "commit" in shown.stderr
