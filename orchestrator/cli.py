@@ -97,7 +97,7 @@ scenario_option = _reusable("--scenario", type=click.Choice(SCENARIOS), default=
                             show_default=True, help="Simulated nodes only.")
 time_scale_option = _reusable("--time-scale", default=0.0, show_default=True,
                               help="Real seconds slept per simulated second of benchmarking.")
-token_file_option = _reusable("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+token_file_option = _reusable("--token-file", type=click.Path(path_type=Path),  # checked by fleet_token
                               help="The head's token file (default: the data dir).")
 
 

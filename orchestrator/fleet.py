@@ -30,7 +30,7 @@ def token_path() -> Path:
 def saved_token(path: Path | None = None) -> str | None:
     """The token kept at ``path`` (default: this machine's data dir), or None if there is none."""
     path = Path(path) if path else token_path()
-    return fleet_token.read_token_file(path) if path.is_file() else None
+    return fleet_token.read_token_file(path) if os.path.lexists(path) else None
 
 
 @dataclass(frozen=True)
