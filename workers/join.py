@@ -115,11 +115,11 @@ def ray_cli() -> str:
     return exe
 
 
-def run_ray(args: list[str], token: str | None, timeout: float = 120) -> str:
-    """Run the ray CLI; a failure is one line naming Ray's own reason."""
+def run_ray(args: list[str], token: str | None, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+    """Run the ray CLI (``env``: settings over the fleet's own); a failure is one line naming Ray's own reason."""
     try:
         done = subprocess.run([ray_cli(), *args], capture_output=True, text=True, timeout=timeout,
-                              env=ray_env(token), check=False)
+                              env={**ray_env(token), **(env or {})}, check=False)
     except subprocess.TimeoutExpired:
         raise FleettuneError(f"`ray {args[0]}` did not finish in {timeout:g}s") from None
     if done.returncode != 0:
