@@ -67,6 +67,15 @@ def _listeners(pids: set[int]) -> list[tuple[str, str]]:
     return out
 
 
+def _is_loopback(addr: str) -> bool:
+    """An address `ss` prints (``*``, ``0.0.0.0``, ``::ffff:127.0.0.1``, ``fe80::1%eth0``) is loopback."""
+    if addr == "*":
+        return False
+    ip = ipaddress.ip_address(addr.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -91,8 +100,7 @@ def test_a_loopback_head_binds_every_ray_server_to_loopback(tmp_path):
         listening = wait_until(lambda: (found := _listeners(set(_marked(marker)))) and
                                names <= {n for _, p in found for n in re.findall(r'"([^"]+)"', p)} and found,
                                timeout=120)
-        wide = [(addr, procs) for addr, procs in listening
-                if addr == "*" or not ipaddress.ip_address(addr.split("%")[0]).is_loopback]
+        wide = [(addr, procs) for addr, procs in listening if not _is_loopback(addr)]
         assert not wide, wide
         assert pids
     finally:
