@@ -99,7 +99,7 @@ scenario_option = _reusable("--scenario", type=click.Choice(SCENARIOS), default=
                             show_default=True, help="Simulated nodes only.")
 time_scale_option = _reusable("--time-scale", default=0.0, show_default=True,
                               help="Real seconds slept per simulated second of benchmarking.")
-token_file_option = _reusable("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+token_file_option = _reusable("--token-file", type=click.Path(path_type=Path),  # checked by fleet_token
                               help="The head's token file (default: the data dir).")
 
 
@@ -357,6 +357,26 @@ def bench(model_ref, knob_flags, prompt_tokens, gen_tokens, depth, reps, timeout
 # ---------------------------------------------------------------- tune
 
 
+MAX_TRIALS = 1_000_000  # a study's budget: an integer column on every backend, and more than any fleet runs
+
+
+def _bounded_trials(value: int | None) -> int | None:
+    """--trials in 1..MAX_TRIALS, refused before the database or Ray is touched (issue 24)."""
+    if value is not None and not 1 <= value <= MAX_TRIALS:
+        raise BadInput(f"--trials {value}: must be in 1..{MAX_TRIALS:,}")
+    return value
+
+
+MAX_STUDY_NAME_CHARS = 255  # the studies.name column; PostgreSQL refuses more, SQLite would not
+
+
+def _storable_study_name(value: str | None) -> str | None:
+    """--study as a study row can hold it, refused before the database or Ray is touched (issue 24)."""
+    if value is not None and (len(value) > MAX_STUDY_NAME_CHARS or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+        raise BadInput(f"--study must be at most {MAX_STUDY_NAME_CHARS} characters, without control characters")
+    return value
+
+
 def _progress_printer(console):
     progress = Progress(
         TextColumn("{task.fields[phase]:<8}"),
@@ -386,8 +406,9 @@ def _progress_printer(console):
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@click.option("--trials", type=int, default=None,
-              help="Search trials (budget; default 30, or what a resumed study was created with).")
+@click.option("--trials", type=int, default=None, callback=lambda ctx, param, value: _bounded_trials(value),
+              help=f"Search trials (budget; default 30, or what a resumed study was created with; "
+                   f"at most {MAX_TRIALS:,}).")
 @objective_option()
 @prompt_tokens_option()
 @gen_tokens_option()
@@ -396,7 +417,8 @@ def _progress_printer(console):
              help="Repetitions per trial (default 3, or what a resumed study was created with).")
 @click.option("--sampler", default="auto", show_default=True,
               help="auto (gp with torch installed, else tpe) | tpe | gp | random | grid | seed-scan.")
-@study_option(dest="study_name", help="Study name (default: chip/model/workload).")
+@study_option(dest="study_name", callback=lambda ctx, param, value: _storable_study_name(value),
+              help=f"Study name (default: chip/model/workload; at most {MAX_STUDY_NAME_CHARS} characters).")
 @click.option("--resume", is_flag=True, help="Continue the study instead of starting a new one.")
 @chip_option(help="Chip key to tune (needed when the cluster has several).")
 @click.option("--all-chips", is_flag=True, help="One study per chip in the cluster, all at once.")
@@ -542,7 +564,9 @@ def results(chip, model_ref, study, state, top, db_url, fmt) -> None:
 
     rows = queries.trial_rows(_open_db(db_url), chip=chip, model=model_ref, study=study,
                               state=None if state == "all" else state, top=top)
-    click.echo(render(rows, RESULT_COLUMNS, fmt))
+    columns = RESULT_COLUMNS + ([Column("state", "state")] if state == "all" else [])
+    columns += [Column("error", "reason")] if state in ("failed", "all") else []  # why a trial failed
+    click.echo(render(rows, columns, fmt))
 
 
 BEST_COLUMNS = [
@@ -1105,11 +1129,16 @@ def export(fmt, study, chip, model_ref, simulated, out, db_url) -> None:
 @db_option
 def dashboard(host, port, db_url) -> None:
     """Open the results database's studies in optuna-dashboard (extra `dashboard`)."""
+    if not 1 <= port <= 65535:
+        raise BadInput(f"--port {port}: must be in 1..65535")
     try:
         import optuna_dashboard
     except ImportError:
         raise BadInput("optuna-dashboard is not installed: pip install 'fleettune[dashboard]'") from None
+    from orchestrator.db.storage import require_optuna_tables
+
     database = _open_db(db_url)
+    require_optuna_tables(database.engine, database.display_url)
     click.echo(f"optuna-dashboard for {database.display_url} on http://{host}:{port}/", err=True)
     optuna_dashboard.run_server(database.url_string, host=host, port=port)
 
@@ -1344,11 +1373,12 @@ def db_upgrade(db_url: str | None) -> None:
 def db_current(db_url: str | None) -> None:
     """Show the schema version of the database and the one this fleettune needs."""
     from orchestrator.db import open_database
-    from orchestrator.db.session import head_revision
+    from orchestrator.db.session import head_revision, is_known_revision
 
     database = open_database(db_url, create=False, check=False)
     current = database.current_revision()
-    state = "up to date" if current == head_revision() else "needs `fleettune db upgrade`"
+    state = ("up to date" if current == head_revision() else "needs `fleettune db upgrade`"
+             if current is None or is_known_revision(current) else "made by a newer fleettune")
     click.echo(f"{database.display_url}: {current or 'empty'} (head {head_revision()}, {state})")
 
 

@@ -25,6 +25,7 @@ from typing import Protocol
 from workers import agent
 from workers.agent import NodeInfo
 from workers.errors import BadInput
+from workers.join import split_address
 from workers.labels import BENCH_RESOURCE, CHIP_LABEL, SIMULATE_LABEL
 from workers.trial import FailureKind, TrialResult, TrialSpec
 
@@ -131,11 +132,9 @@ def check_reachable(address: str) -> None:
     """Fail fast with one line instead of letting ray.init retry an unreachable head for minutes."""
     if address in ("auto", "local") or address.startswith("ray://"):
         return
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise BadInput(f"bad Ray address {address!r}: expected HOST:PORT")
+    host, port = split_address(address)
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
             pass
     except OSError as exc:
         raise BadInput(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None

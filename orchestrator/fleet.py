@@ -30,7 +30,7 @@ def token_path() -> Path:
 def saved_token(path: Path | None = None) -> str | None:
     """The token kept at ``path`` (default: this machine's data dir), or None if there is none."""
     path = Path(path) if path else token_path()
-    return fleet_token.read_token_file(path) if path.is_file() else None
+    return fleet_token.read_token_file(path) if os.path.lexists(path) else None
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,23 @@ def head_start(port: int = 6379, host: str = "127.0.0.1", dashboard: bool = Fals
     ]
     if dashboard:
         args += ["--dashboard-host", host]
-    run_ray(args, token)
+    run_ray(args, token, env=LOOPBACK_ENV if _is_loopback(host) else None)
     fleet_token.write_token_file(path, token)
     return HeadStarted(f"{host}:{port}", path)
+
+
+# `ray start --node-ip-address 127.0.0.1` replaces a loopback address with the machine's own
+# (ray._private.services.resolve_ip_for_localhost) unless Ray thinks clusters are off; its
+# servers (GCS, raylet, agents, Ray client) bind every interface unless the node's own address is
+# 127.0.0.1. So a loopback head starts with clusters off: its node address stays 127.0.0.1 and
+# every server binds loopback (issue 24, case 10). Only this machine can join such a head anyway.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(host).is_loopback
 
 
 def _check_bindable(host: str) -> None:

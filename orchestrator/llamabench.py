@@ -2,7 +2,8 @@
 ours in the same shapes (and its markdown table), so results travel both ways.
 
 llama-bench prints one row per test: ``pp512`` (n_prompt > 0) or ``tg128`` (n_gen > 0) for one
-configuration. Importing groups a configuration's pp and tg rows into one fleettune trial. Rows that
+configuration. Importing groups a configuration's pp and tg rows into one fleettune trial (a
+configuration measured again later in the file, a repeated run, is another trial). Rows that
 cannot be read, or tests fleettune does not model (prompt+generation ``-pg``, depth ``-d``), are
 reported by line; the rest go in, all in one transaction, so nothing is ever half-imported.
 """
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import statistics
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -121,7 +123,7 @@ class SourceFile:
         return BadInput(f"{self.path}: larger than the import limit of {self.limit / 1024**2:g} MiB")
 
     def chunks(self) -> Iterator[str]:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")  # a leading BOM is dropped
         try:
             with self.path.open("rb") as raw:
                 if os.fstat(raw.fileno()).st_size > self.limit:
@@ -342,8 +344,14 @@ def _float(record: dict, key: str, default: float | None = None) -> float:
 
 
 def _text(record: dict, key: str, limit: int = MAX_NAME_CHARS) -> str:
+    """A text field: a string or a scalar printed as one, never an object or a list; no NUL
+    (PostgreSQL cannot store it; issue 24)."""
     value = record.get(key, "")
+    if isinstance(value, dict | list | tuple):
+        raise ValueError(f"{key} is not text")
     text = "" if value is None else str(value)
+    if "\x00" in text:
+        raise ValueError(f"{key} holds a NUL character")
     if len(text) > limit:
         raise ValueError(f"{key} is longer than {limit} characters")
     return text
@@ -421,21 +429,6 @@ def parse_record(line: int, record: dict) -> BenchRow:
 # ---------------------------------------------------------------- importing
 
 
-def group_trials(rows: list[BenchRow]) -> list[list[BenchRow]]:
-    """One trial per configuration's pp row and tg row, in file order; a configuration measured
-    again later in the file (a repeated run) is another trial, not more samples of the first."""
-    groups: list[list[BenchRow]] = []
-    open_groups: dict[tuple, list[BenchRow]] = {}
-    for row in rows:
-        group = open_groups.get(row.config_key)
-        if group is None or any(r.kind == row.kind for r in group):
-            group = []
-            groups.append(group)
-            open_groups[row.config_key] = group
-        group.append(row)
-    return groups
-
-
 def _chip_fingerprint(row: BenchRow, chip_key: str | None) -> Fingerprint:
     backends = row.backends.lower()
     backend = "cuda" if "cuda" in backends else "metal" if "metal" in backends else "cpu"
@@ -481,10 +474,18 @@ def _result(rows: list[BenchRow]) -> TrialResult:
 
 
 def _timestamp(text: str) -> float | None:
+    """``test_time`` as a Unix time; None when it is not an ISO time; ValueError when it is one a
+    database cannot store back (issue 24: a year past 9999 once its offset is applied)."""
     try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
+    try:
+        stamp = moment.timestamp()
+        datetime.fromtimestamp(stamp, UTC)
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"test_time {text[:40]!r} is out of range") from None
+    return stamp
 
 
 def _first_problem(problems: Problems) -> str:
@@ -496,6 +497,103 @@ def _first_problem(problems: Problems) -> str:
     return f" (line {line}: {reason}{more})"
 
 
+IMPORT_BATCH_TRIALS = 500  # trials written per round of bulk statements (memory: a constant plus these)
+
+
+def check_row(row: BenchRow) -> BenchRow:
+    """What a row must also hold to be stored and used (issue 24): thread and layer counts a node
+    config can hold, a ``test_time`` that is a time (a database stores it)."""
+    for name in ("n_threads", "n_gpu_layers"):
+        lo, hi = knobs.knob(name).low, knobs.knob(name).high
+        value = getattr(row.params, name)
+        if not lo <= value <= hi:
+            raise ValueError(f"{name} {value} is outside {lo}..{hi}")
+    if row.test_time:
+        _timestamp(row.test_time)  # ValueError when out of range
+    return row
+
+
+def _rows(source: SourceFile) -> Iterator[BenchRow | tuple[int, str]]:
+    """Each checked row of the file, or (line, reason) for each problem, as the file streams."""
+    for line, item in iter_source(source):
+        if isinstance(item, str):
+            yield line, item
+            continue
+        try:
+            yield check_row(parse_record(line, item))
+        except (ValueError, TypeError, OverflowError) as exc:
+            yield line, str(exc)
+
+
+@dataclass
+class _ImportPlan:
+    """What a first read of the file tells, keeping no row: each row's trial (its place in
+    file order of its first row), each trial's row count, the workload the studies record, the problems."""
+
+    group_of: array = field(default_factory=lambda: array("q"))  # row ordinal -> trial index
+    group_sizes: array = field(default_factory=lambda: array("b"))  # trial index -> its rows
+    n_prompt: int = 0
+    n_gen: int = 0
+    reps: int = 0
+    problems: Problems = field(default_factory=list)
+    sha256: str = ""
+
+
+def _plan_import(source: SourceFile) -> _ImportPlan:
+    """Read the file once: group its rows into trials (a configuration's pp row and tg row in one
+    trial; a configuration measured again later, a repeated run, is another), in the file order of
+    each trial's first row, holding one digest per configuration."""
+    plan = _ImportPlan()
+    open_groups: dict[bytes, int] = {}  # configuration -> its latest trial
+    kinds = bytearray()  # trial index -> the kinds it has (1 pp, 2 tg)
+    for row in _rows(source):
+        if isinstance(row, tuple):
+            plan.problems.append(row)
+            continue
+        key = hashlib.blake2b(repr(row.config_key).encode(), digest_size=16).digest()
+        bit = 1 if row.kind == "pp" else 2
+        group = open_groups.get(key)
+        if group is None or kinds[group] & bit:
+            group = len(kinds)
+            kinds.append(0)
+            plan.group_sizes.append(0)
+            open_groups[key] = group
+        kinds[group] |= bit
+        plan.group_sizes[group] += 1
+        plan.group_of.append(group)
+        if row.kind == "pp":
+            plan.n_prompt = max(plan.n_prompt, row.n_tokens)
+        else:
+            plan.n_gen = max(plan.n_gen, row.n_tokens)
+        plan.reps = max(plan.reps, len(row.samples_ns))
+    plan.sha256 = source.sha256.hexdigest()
+    return plan
+
+
+def _trials_in_order(source: SourceFile, plan: _ImportPlan) -> Iterator[list[BenchRow]]:
+    """The file read again: each trial's rows as soon as they are all read, in trial order (a trial
+    complete before an earlier one waits for it: only trials still open are held)."""
+    pending: dict[int, list[BenchRow]] = {}
+    complete: dict[int, list[BenchRow]] = {}
+    ordinal = next_trial = 0
+    for row in _rows(source):
+        if isinstance(row, tuple):
+            continue
+        if ordinal >= len(plan.group_of):
+            raise BadInput(f"{source.path}: the file changed while it was imported; nothing imported")
+        group = plan.group_of[ordinal]
+        ordinal += 1
+        rows = pending.setdefault(group, [])
+        rows.append(row)
+        if len(rows) == plan.group_sizes[group]:
+            complete[group] = pending.pop(group)
+            while next_trial in complete:
+                yield complete.pop(next_trial)
+                next_trial += 1
+    if ordinal != len(plan.group_of) or pending or complete or source.sha256.hexdigest() != plan.sha256:
+        raise BadInput(f"{source.path}: the file changed while it was imported; nothing imported")
+
+
 def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
                 model: ModelInfo | None = None, limit: int | None = None) -> ImportReport:
     """Import one llama-bench output file; one study per (chip, model) found in it.
@@ -503,38 +601,33 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
     The file is streamed (at most ``limit`` bytes, default MAX_IMPORT_BYTES) and hashed; a file whose bytes were imported
     before is recognised by its sha256 and changes nothing (``ImportReport.already``). A file with
     no usable row is BadInput naming its first problem.
+
+    Memory is a constant plus the trials being written (issue 24): a first read checks every row
+    and groups them into trials keeping only each row's trial number; a second read writes the
+    trials, ``IMPORT_BATCH_TRIALS`` at a time, in one transaction (all of the file or none); a
+    file whose bytes differ between the two reads is refused.
     """
     file = Path(path)
     if not file.is_file():
         raise BadInput(f"{path}: no such file")
     if chip_key is not None and not 0 < len(chip_key) <= MAX_CHIP_KEY_CHARS:
         raise BadInput(f"--chip must be 1 to {MAX_CHIP_KEY_CHARS} characters")
-    source = SourceFile(file, MAX_IMPORT_BYTES if limit is None else limit)
-    rows: list[BenchRow] = []  # checked as they stream: the file's raw records are never all held
-    problems: Problems = []
-    for line, item in iter_source(source):
-        if isinstance(item, str):
-            problems.append((line, item))
-            continue
-        try:
-            rows.append(parse_record(line, item))
-        except (ValueError, TypeError, OverflowError) as exc:
-            problems.append((line, str(exc)))
-    sha256 = source.sha256.hexdigest()
+    if chip_key is not None and "\x00" in chip_key:
+        raise BadInput("--chip holds a NUL character")
+    limit = MAX_IMPORT_BYTES if limit is None else limit
+    plan = _plan_import(SourceFile(file, limit))
     with db.session() as s:
-        earlier = repo.studies_from_source(s, sha256)
+        earlier = repo.studies_from_source(s, plan.sha256)
     if earlier:
-        return ImportReport(already=earlier[0], source_sha256=sha256)
-    report = ImportReport(problems=sorted(problems), source_sha256=sha256)
-    if not rows:
+        return ImportReport(already=earlier[0], source_sha256=plan.sha256)
+    report = ImportReport(problems=sorted(plan.problems), source_sha256=plan.sha256)
+    if not plan.group_of:
         raise BadInput(f"{path}: nothing imported{_first_problem(report.problems)}")
     with db.session() as s:  # one transaction: all of it or none
-        groups = group_trials(rows)
         studies: dict[tuple, object] = {}
         models: dict[tuple, ModelInfo] = {}
-        trials_of: dict[int, list[list[BenchRow]]] = {}  # study id -> its trials' rows
-        for trial_rows in groups:
-            first = trial_rows[0]
+
+        def study_of(first: BenchRow) -> int:
             fp = _chip_fingerprint(first, chip_key)
             model_key = (Path(first.model_filename).name, first.model_n_params, first.model_size, first.model_type)
             if model_key not in models:
@@ -548,27 +641,38 @@ def import_file(db: Database, path: str | Path, *, chip_key: str | None = None,
                 name = repo.free_study_name(s, base)
                 studies[key] = repo.add_study(s, repo.NewStudy(
                     name=name, chip_id=chip.id, model_id=model_row.id, objective="tg",
-                    n_prompt=max((r.n_tokens for r in rows if r.kind == "pp"), default=0),
-                    n_gen=max((r.n_tokens for r in rows if r.kind == "tg"), default=0),
-                    reps=max((len(r.samples_ns) for r in rows), default=1), sampler="llama-bench",
-                    budget=len(groups), space={}, simulated=False, state="complete",
-                    message=f"imported from {file.name}"[:1000], source_sha256=sha256,
+                    n_prompt=plan.n_prompt, n_gen=plan.n_gen, reps=plan.reps, sampler="llama-bench",
+                    budget=len(plan.group_sizes), space={}, simulated=False, state="complete",
+                    message=f"imported from {file.name}"[:1000], source_sha256=plan.sha256,
                 ))
                 report.studies.append(name)
-            trials_of.setdefault(studies[key].id, []).append(trial_rows)
-        for study_id, trials in trials_of.items():  # a few bulk statements per study, not per trial
-            ids = repo.start_trials(s, study_id, [repo.NewTrial(IMPORT_PHASE, t[0].params.to_dict()) for t in trials],
-                                    simulated=False)
-            finished = []
-            for trial_id, trial_rows in zip(ids, trials, strict=True):
-                result = _result(trial_rows)
-                tg = result.stats("tg")
-                finished.append(repo.FinishedTrial(trial_id, result, tg.median if tg else None, None, None))
-            repo.finish_trials(s, finished)
-            repo.set_trials_llama_bench_stats(s, {trial_id: {r.kind: (r.avg_ts, r.stddev_ts) for r in trial_rows}
-                                                  for trial_id, trial_rows in zip(ids, trials, strict=True)})
-            report.trials += len(trials)
-            report.rows += sum(len(t) for t in trials)
+            return studies[key].id
+
+        def write(batch: list[list[BenchRow]]) -> None:
+            trials_of: dict[int, list[list[BenchRow]]] = {}  # study id -> its trials' rows
+            for trial_rows in batch:
+                trials_of.setdefault(study_of(trial_rows[0]), []).append(trial_rows)
+            for study_id, trials in trials_of.items():  # a few bulk statements per study, not per trial
+                ids = repo.start_trials(s, study_id, [repo.NewTrial(IMPORT_PHASE, t[0].params.to_dict())
+                                                      for t in trials], simulated=False)
+                finished = []
+                for trial_id, trial_rows in zip(ids, trials, strict=True):
+                    result = _result(trial_rows)
+                    tg = result.stats("tg")
+                    finished.append(repo.FinishedTrial(trial_id, result, tg.median if tg else None, None, None))
+                repo.finish_trials(s, finished)
+                repo.set_trials_llama_bench_stats(s, {trial_id: {r.kind: (r.avg_ts, r.stddev_ts) for r in trial_rows}
+                                                      for trial_id, trial_rows in zip(ids, trials, strict=True)})
+                report.trials += len(trials)
+                report.rows += sum(len(t) for t in trials)
+
+        batch: list[list[BenchRow]] = []
+        for trial_rows in _trials_in_order(SourceFile(file, limit), plan):
+            batch.append(trial_rows)
+            if len(batch) >= IMPORT_BATCH_TRIALS:
+                write(batch)
+                batch = []
+        write(batch)
     return report
 
 

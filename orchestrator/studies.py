@@ -773,6 +773,8 @@ class StudyRunner:
                     del inflight[ref]
                     source.settle(job, finished)
                     self._emit(source, inflight, finished.result)
+                    if finished.result.kind is FailureKind.MODEL_CHANGED:  # every later trial fails alike (issue 24)
+                        raise StudyPaused(f"study {self.name} paused: {finished.result.error}")
         except BaseException:
             self._abandon(source, inflight, collected)
             raise

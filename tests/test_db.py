@@ -52,12 +52,12 @@ def test_sqlite_uses_wal(sqlite_url):
 def test_an_old_schema_is_refused_not_altered(db_url):
     db = open_database(db_url)
     with db.engine.begin() as conn:
-        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000_older'"))
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0001'"))  # our first revision
     db.dispose()
     with pytest.raises(BadInput, match="fleettune db upgrade"):
         open_database(db_url)
     check = open_database(db_url, check=False)
-    assert check.current_revision() == "0000_older"  # untouched
+    assert check.current_revision() == "0001"  # untouched
 
 
 def test_bad_urls_are_one_line_errors(tmp_path):

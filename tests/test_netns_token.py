@@ -102,10 +102,13 @@ def test_head_and_workers_start_ray_without_its_unauthenticated_metrics_endpoint
     from workers import join
 
     calls = []
-    monkeypatch.setattr(fleet, "run_ray", lambda args, token: calls.append((args, join.ray_env(token))))
+    monkeypatch.setattr(fleet, "run_ray", lambda args, token, env=None: calls.append(
+        (args, {**join.ray_env(token), **(env or {})})))
     fleet.head_start(host="127.0.0.1", port=6390, token_file=tmp_path / "ray_token")
     args, env = calls[0]
     assert "--no-monitor" in args and args[args.index("--node-ip-address") + 1] == "127.0.0.1"
+    # Ray keeps 127.0.0.1 as the node's address only with clusters off (issue 24, case 10)
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert env["RAY_enable_metrics_collection"] == "0" and env["RAY_AUTH_MODE"] == "token"
     assert join.ray_env(None)["RAY_enable_metrics_collection"] == "0"  # `worker start` too
     assert env["DASHBOARD_METRIC_PORT"] == "65536"  # the dashboard's own endpoint: see below

@@ -260,3 +260,58 @@ def test_ray_force_cancel_leaves_no_measurement(marked_node, model_info):
     dispatcher.cancel(ref)
     assert_none_left(marker)
     assert dispatcher.result(ref, "k").error in ("interrupted", "node lost")
+
+
+SIGINT_AT_THE_WORST_INSTANT = r"""
+import signal, subprocess, sys, threading
+from pathlib import Path
+from workers import bench
+from workers.trial import BenchParams, TrialSpec, Workload
+
+class SigintRightAfterAcquire:
+    '''A real lock; Ctrl-C arrives at the instant a non-blocking acquire has succeeded, before the
+    `try` of Popen.wait(timeout) that releases it (a window the scheduler can hit under load).'''
+    def __init__(self):
+        self.lock, self.polls = threading.Lock(), 0
+    def acquire(self, blocking=True, timeout=-1):
+        got = self.lock.acquire(blocking, timeout)
+        if got and not blocking:
+            self.polls += 1
+            if self.polls == 3:
+                signal.raise_signal(signal.SIGINT)
+        return got
+    def release(self):
+        self.lock.release()
+    def __enter__(self):
+        return self.acquire()
+    def __exit__(self, *exc):
+        self.release()
+
+original = subprocess.Popen.__init__
+def instrumented(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    self._waitpid_lock = SigintRightAfterAcquire()
+subprocess.Popen.__init__ = instrumented
+
+model = Path(sys.argv[1])
+model.write_bytes(b"GGUF" + bytes(60))  # the child starts, finds another file, and ends; not before the signal
+spec = TrialSpec(str(model), "0" * 64, BenchParams(n_threads=1, n_batch=8, n_ubatch=8),
+                 Workload(n_prompt=0, n_gen=4, reps=1, warmup=False), timeout_s=60, trial_key="sigint")
+try:
+    bench.measure(spec)
+except KeyboardInterrupt:
+    print("interrupted")
+    sys.exit(0)
+print("not interrupted")
+sys.exit(1)
+"""
+
+
+def test_ctrl_c_at_the_instant_popen_holds_its_wait_lock_still_stops(tmp_path):
+    """Issue 24: a SIGINT raised between Popen.wait's non-blocking lock acquire and its `try` left
+    the lock held, and the clean-up's wait() blocked for ever. Measuring takes Ctrl-C over while it
+    waits: the handler kills the child and the KeyboardInterrupt comes after the wait."""
+    done = subprocess.run([sys.executable, "-c", SIGINT_AT_THE_WORST_INSTANT, str(tmp_path / "m.gguf")],
+                          capture_output=True, text=True, timeout=30, cwd=Path(__file__).parent.parent,
+                          start_new_session=True)
+    assert done.returncode == 0 and done.stdout.strip() == "interrupted", done.stdout + done.stderr

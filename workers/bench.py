@@ -474,32 +474,50 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+KILLING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def _killed_on_sigterm(proc: subprocess.Popen) -> Iterator[None]:
-    """While measuring in the main thread: a SIGTERM kills the measurement first, then does what
-    it did before (the default: terminate; a handler of the program's: run it)."""
+def _killed_on_signals(proc: subprocess.Popen) -> Iterator[None]:
+    """While measuring in the main thread: Ctrl-C (SIGINT) or SIGTERM kills the measurement first,
+    then, once the wait for it is over, does what it did before (SIGINT: KeyboardInterrupt; SIGTERM's
+    default: terminate; a handler of the program's: run it).
+
+    The handler itself never raises: an exception raised at an arbitrary instant of
+    ``Popen.wait(timeout)`` can fall between its non-blocking acquire of the wait lock and the
+    ``try`` that releases it, and the lock stays held: the clean-up's ``proc.wait()`` then blocks
+    for ever (issue 24: `fleettune bench` once ignored Ctrl-C for 30 s). So the handler only kills
+    the measurement and notes the signal; the wait returns as the child dies, and the signal's
+    own action runs here, outside Popen's lock."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous == signal.SIG_IGN:
-        yield
-        return
+    previous = {sig: signal.getsignal(sig) for sig in KILLING_SIGNALS}
+    caught: list[int] = []
 
-    def on_sigterm(signum, frame) -> None:
+    def on_signal(signum, frame) -> None:
         _signal_group(proc)  # no wait() here: the interrupted code may hold Popen's wait lock
-        if callable(previous):
-            previous(signum, frame)
-            return
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        caught.append(signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    ours = [sig for sig in KILLING_SIGNALS if previous[sig] != signal.SIG_IGN]
+    for sig in ours:
+        signal.signal(sig, on_signal)
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for sig in ours:
+            if signal.getsignal(sig) is on_signal:
+                signal.signal(sig, previous[sig] if previous[sig] is not None else signal.SIG_DFL)
+        if caught:
+            _replay(caught[0], previous[caught[0]])
+
+
+def _replay(signum: int, previous) -> None:
+    """Do what ``signum`` did before the measurement took it over."""
+    if callable(previous):
+        previous(signum, None)  # signal.default_int_handler raises KeyboardInterrupt
+        return
+    os.kill(os.getpid(), signum)  # its default action (the handler is restored by now)
 
 
 STOP_POLL_S = 0.5  # how often a running measurement asks whether it should stop
@@ -532,7 +550,7 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) 
 
     The subprocess never outlives this call: it is killed (with its process group) on a timeout,
     when ``stop_when()`` gives a reason (a Ray worker whose raylet died), on an exception, Ctrl-C
-    or SIGTERM here, and it exits by itself when this process dies.
+    or SIGTERM here (signals taken over while it runs: ``_killed_on_signals``), and it exits by itself when this process dies.
     """
     if not Path(spec.model_path).is_file():
         return TrialResult.failure(
@@ -557,7 +575,7 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None) 
             finally:
                 os.close(read_end)
             try:
-                with _killed_on_sigterm(proc):
+                with _killed_on_signals(proc):
                     returncode = _wait(proc, spec.timeout_s, stop_when)
             except subprocess.TimeoutExpired:
                 return TrialResult.failure(

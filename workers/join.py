@@ -42,6 +42,16 @@ NO_METRICS_ENV = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT":
 NODE_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")  # a valid Ray label value
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port); anything else is BadInput (one parser for every command)."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if (not host or not port.isdigit() or not 1 <= int(port) <= 65535
+            or not re.fullmatch(r"[A-Za-z0-9._:-]+", host)):
+        raise BadInput(f"bad Ray address {address!r}: expected HOST:PORT")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class JoinPlan:
     """What `worker start` will ask Ray for."""
@@ -105,11 +115,11 @@ def ray_cli() -> str:
     return exe
 
 
-def run_ray(args: list[str], token: str | None, timeout: float = 120) -> str:
-    """Run the ray CLI; a failure is one line naming Ray's own reason."""
+def run_ray(args: list[str], token: str | None, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+    """Run the ray CLI (``env``: settings over the fleet's own); a failure is one line naming Ray's own reason."""
     try:
         done = subprocess.run([ray_cli(), *args], capture_output=True, text=True, timeout=timeout,
-                              env=ray_env(token), check=False)
+                              env={**ray_env(token), **(env or {})}, check=False)
     except subprocess.TimeoutExpired:
         raise FleettuneError(f"`ray {args[0]}` did not finish in {timeout:g}s") from None
     if done.returncode != 0:

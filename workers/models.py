@@ -199,14 +199,25 @@ def file_type_name(code: int | None) -> str:
         return f"type{code}"
 
 
-def open_gguf(path: str | os.PathLike):
-    """A ``gguf.GGUFReader`` for the file; a missing, non-GGUF or unreadable file is BadInput."""
+def check_gguf_header(path: str | os.PathLike) -> Path:
+    """``path`` as a Path once its first bytes are a GGUF header (magic, then a version 1..3);
+    a missing, unreadable or other file is BadInput. Reads 8 bytes, imports nothing."""
     file = Path(path)
     if not file.is_file():
         raise BadInput(f"{path}: no such model file")
-    with open(file, "rb") as handle:
-        if handle.read(4) != GGUF_MAGIC:
-            raise BadInput(f"{path}: not a GGUF file")
+    try:
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if head[:4] != GGUF_MAGIC or not 1 <= int.from_bytes(head[4:8], "little") <= 3:
+        raise BadInput(f"{path}: not a GGUF file")
+    return file
+
+
+def open_gguf(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` for the file; a missing, non-GGUF or unreadable file is BadInput."""
+    file = check_gguf_header(path)
     import gguf
 
     try:

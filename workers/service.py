@@ -12,6 +12,14 @@ The fleet's token never goes on the service's command line (issue 14). A token f
 environment (FLEETTUNE_RAY_TOKEN_FILE) and read at each start; a token given in
 $FLEETTUNE_RAY_TOKEN is copied into the environment, so the file is written readable by its owner
 only.
+
+Values are checked and escaped for the file that holds them (issue 24, case 8): a control
+character in any value is refused (a newline would start a line of its own in a unit); systemd is
+not a shell, so every value is double-quoted with ``\\`` and ``"`` escaped, ``%`` written ``%%``
+(specifiers are expanded inside quotes) and, in ExecStart's arguments, ``$`` written ``$$``
+(``${VAR}`` is expanded there; not in the command's own path, nor in Environment=). ``--address`` is
+HOST:PORT and ``--model`` starts with a GGUF header. The file is written through ``mkstemp`` in its
+own folder (a fresh name, O_EXCL, mode 0600) and renamed into place.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import os
 import platform
 import plistlib
+import re
 import shlex
 import shutil
 import sys
@@ -28,6 +37,8 @@ from pathlib import Path
 from workers import fleet_token
 from workers.errors import BadInput
 from workers.files import atomic_write
+from workers.join import split_address
+from workers.models import check_gguf_header
 
 KINDS = ("worker", "serve")
 
@@ -45,8 +56,18 @@ def _fleettune() -> str:
     return str(Path(found).resolve())
 
 
+def refuse_control_characters(what: str, value: str) -> str:
+    """``value`` unchanged; BadInput if it holds a control character (issue 24, case 8)."""
+    bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"), None)
+    if bad is not None:
+        raise BadInput(f"{what} holds a control character ({bad!r}); a service file cannot carry it")
+    return value
+
+
 def command(kind: str, *, address: str | None, model: str | None, port: int) -> list[str]:
     """The fleettune command line the service runs."""
+    if address is not None:
+        split_address(refuse_control_characters("--address", address))
     if kind == "worker":
         if not address:
             raise BadInput("service install worker needs --address HOST:PORT (the head)")
@@ -54,9 +75,8 @@ def command(kind: str, *, address: str | None, model: str | None, port: int) -> 
     if kind == "serve":
         if not model:
             raise BadInput("service install serve needs --model PATH (the GGUF file to serve)")
-        path = Path(model).expanduser().resolve()
-        if not path.is_file():
-            raise BadInput(f"{model}: no such model file")
+        refuse_control_characters("--model", model)
+        path = check_gguf_header(Path(model).expanduser().resolve())
         argv = [_fleettune(), "serve", "--model", str(path), "--port", str(port)]
         return argv + (["--address", address] if address else [])
     raise BadInput(f"unknown service {kind!r}; choose worker or serve")
@@ -77,11 +97,29 @@ def token_env(token_file: Path | None) -> dict[str, str]:
         named = os.environ.get(fleet_token.TOKEN_FILE_ENV)
         token_file = Path(named) if named else None
     if token_file is not None:
-        path = Path(token_file).expanduser().resolve()
+        named_path = Path(refuse_control_characters("--token-file", str(token_file))).expanduser()
+        path = Path(os.path.abspath(named_path))  # not resolve(): a link is refused, not followed
         fleet_token.read_token_file(path)
         return {fleet_token.TOKEN_FILE_ENV: str(path)}
     token = os.environ.get(fleet_token.TOKEN_ENV, "").strip()
     return {fleet_token.TOKEN_ENV: token} if token else {}
+
+
+_SYSTEMD_BARE = re.compile(r"[A-Za-z0-9_@+=:,./-]+")  # a word systemd reads as it stands
+
+
+def _systemd_quoted(value: str, *, dollar: bool) -> str:
+    """``value`` as one systemd word: bare when nothing in it is special, else double-quoted with
+    ``\\`` and ``"`` escaped, ``%`` as ``%%`` and, where systemd expands variables (``dollar``), ``$`` as ``$$``."""
+    if _SYSTEMD_BARE.fullmatch(value):
+        return value
+    value = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return '"' + (value.replace("$", "$$") if dollar else value) + '"'
+
+
+def systemd_exec(argv: list[str]) -> str:
+    """ExecStart='s value: the command's path is not variable-expanded, its arguments are."""
+    return " ".join([_systemd_quoted(argv[0], dollar=False)] + [_systemd_quoted(a, dollar=True) for a in argv[1:]])
 
 
 def render(kind: str, *, address: str | None = None, model: str | None = None, port: int = 8080,
@@ -90,6 +128,8 @@ def render(kind: str, *, address: str | None = None, model: str | None = None, p
     argv = command(kind, address=address, model=model, port=port)
     system, home = _system(system), home or Path.home()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **token_env(token_file)}
+    for name, value in [*env.items(), ("the fleettune command", argv[0])]:
+        refuse_control_characters(name, value)
     if system == "darwin":
         label = f"io.fleettune.{kind}"
         logs = home / "Library" / "Logs" / "fleettune"
@@ -103,10 +143,13 @@ def render(kind: str, *, address: str | None = None, model: str | None = None, p
         uid = os.getuid()
         return ServiceFile(path, plistlib.dumps(plist), f"launchctl bootstrap gui/{uid} {shlex.quote(str(path))}",
                            f"launchctl bootout gui/{uid}/{label}")
+    if any(c in argv[0] for c in "\"'\\"):  # systemd's string_is_safe() for an executable's name
+        raise BadInput(f"the fleettune command {argv[0]!r} holds a quote or a backslash, which systemd "
+                       "refuses in an executable's path; install fleettune elsewhere")
     unit = f"fleettune-{kind}"
     lines = ["[Unit]", f"Description=fleettune {kind}", "After=network-online.target", "", "[Service]"]
-    lines += [f"Environment={shlex.quote(f'{k}={v}')}" for k, v in env.items()]
-    lines += [f"ExecStart={shlex.join(argv)}"]
+    lines += [f"Environment={_systemd_quoted(f'{k}={v}', dollar=False)}" for k, v in env.items()]
+    lines += [f"ExecStart={systemd_exec(argv)}"]
     lines += ["Type=oneshot", "RemainAfterExit=yes"] if kind == "worker" else ["Restart=always", "RestartSec=5"]
     lines += ["", "[Install]", "WantedBy=default.target", ""]
     path = home / ".config" / "systemd" / "user" / f"{unit}.service"

@@ -79,10 +79,18 @@ def default_db_url() -> str:
     return os.environ.get("FLEETTUNE_DB") or f"sqlite:///{data_dir() / 'fleettune.db'}"
 
 
+def _secret_key(key: str) -> bool:
+    """A query parameter that carries a password (psycopg takes ``?password=``; issue 24, case 11)."""
+    return any(word in key.lower() for word in ("password", "passwd", "pwd", "secret", "sslpassword"))
+
+
 def redact(url: str | URL) -> str:
-    """The URL without its password, for messages and logs."""
+    """The URL without its password (in the URL's user part or as a query parameter), for messages and logs."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        if any(_secret_key(k) for k in parsed.query):
+            parsed = parsed.set(query={k: ("***" if _secret_key(k) else v) for k, v in parsed.query.items()})
+        return parsed.render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         return "<unparseable URL>"
 
@@ -94,6 +102,11 @@ def _parse(url: str) -> URL:
         raise BadInput(f"bad database URL {redact(url)!r}: expected e.g. sqlite:///path.db") from None
     if parsed.drivername == "postgresql":  # psycopg 3 is the driver fleettune ships with
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "sqlite" and (
+            parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
+            or str(parsed.database).startswith("file::memory:")):
+        raise BadInput(f"database URL {redact(url)!r} is an in-memory SQLite database: everything written "
+                       "vanishes at exit; name a file, e.g. sqlite:///results.db")
     return parsed
 
 
@@ -114,7 +127,7 @@ def engine_kwargs(url: URL) -> dict:
 
 def make_engine(url: str | URL) -> Engine:
     parsed = _parse(str(url) if isinstance(url, str) else url.render_as_string(hide_password=False))
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+    if parsed.get_backend_name() == "sqlite":
         parent = Path(parsed.database).expanduser().parent
         if not parent.is_dir():
             raise BadInput(f"bad database URL {redact(parsed)!r}: folder {parent} does not exist")
@@ -139,6 +152,50 @@ def head_revision() -> str:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
+def is_known_revision(revision: str) -> bool:
+    """Whether this fleettune's migrations know ``revision`` (a newer fleettune's are unknown here)."""
+    from alembic.util import CommandError
+
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except (CommandError, KeyError, ValueError):  # alembic's ResolutionError is a CommandError
+        return False
+
+
+def newer_schema_message(display_url: str, current: str) -> str:
+    """The one line for a schema this fleettune does not know: made by a newer fleettune
+    (issue 24, case 11: never "run db upgrade", which cannot go forward from there)."""
+    return (f"database {display_url} is at schema {current}, which this fleettune does not know "
+            f"(it needs {head_revision()}): it was made by a newer fleettune; use that version")
+
+
+def no_version_message(display_url: str) -> str:
+    return (f"database {display_url} has fleettune tables but no schema version; "
+            "it was not made by fleettune (or its version row was removed), so it cannot be upgraded")
+
+
+def refuse_unstorable(session: Session, _context, _instances) -> None:
+    """Before any row is written: a text value PostgreSQL would refuse is BadInput on every backend
+    (SQLite stores it silently): a NUL character, or more characters than its column holds (issue 24).
+    The transaction is rolled back, so nothing is written."""
+    from sqlalchemy import String
+    from sqlalchemy import inspect as inspect_object
+
+    for obj in [*session.new, *session.dirty]:
+        state = inspect_object(obj)
+        mapper = state.mapper
+        for attr in mapper.column_attrs:
+            value = state.dict.get(attr.key)  # what is loaded or set; never a load of its own
+            if not isinstance(value, str):
+                continue
+            what = f"{mapper.class_.__name__.lower()} {attr.key}"
+            if "\x00" in value:
+                raise BadInput(f"{what} holds a NUL character, which the database cannot store")
+            length = getattr(attr.columns[0].type, "length", None)
+            if isinstance(attr.columns[0].type, String) and length and len(value) > length:
+                raise BadInput(f"{what} is {len(value)} characters long; the database holds at most {length}")
+
+
 class Database:
     """An open results database: engine + session factory, schema checked."""
 
@@ -146,6 +203,7 @@ class Database:
         self.engine = engine
         self.url = engine.url
         self.sessions = sessionmaker(engine, expire_on_commit=False)
+        event.listen(self.sessions, "before_flush", refuse_unstorable)
 
     @property
     def url_string(self) -> str:
@@ -173,8 +231,13 @@ class Database:
         return bool(existing & set(Base.metadata.tables))
 
     def upgrade(self) -> tuple[str | None, str]:
-        """Bring the schema to the newest revision; returns (before, after)."""
+        """Bring the schema to the newest revision; returns (before, after). A schema this
+        fleettune does not know, or tables without a version row, are BadInput, nothing changed."""
         before = self.current_revision()
+        if before is not None and not is_known_revision(before):
+            raise BadInput(newer_schema_message(self.display_url, before))
+        if before is None and self.has_our_tables():
+            raise BadInput(no_version_message(self.display_url))
         with self.engine.begin() as conn:
             command.upgrade(alembic_config(conn), "head")
         return before, self.current_revision() or ""
@@ -206,10 +269,9 @@ def open_database(url: str | None = None, *, create: bool = True, check: bool = 
             return db
         db.dispose()
         if current is None:
-            raise BadInput(
-                f"database {db.display_url} has fleettune tables but no schema version; "
-                "it was not made by fleettune"
-            )
+            raise BadInput(no_version_message(db.display_url))
+        if not is_known_revision(current):
+            raise BadInput(newer_schema_message(db.display_url, current))
         raise BadInput(
             f"database {db.display_url} is at schema {current}, this fleettune needs {head}; "
             "run `fleettune db upgrade` (back it up first)"

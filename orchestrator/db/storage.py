@@ -57,6 +57,19 @@ ENCODERS = (("TrialValueModel", "value_to_stored_repr"),
 _START_KEY = sa_inspect(models.TrialModel).get_property_by_column(TRIALS.c.datetime_start).key
 
 
+def require_optuna_tables(engine, display_url: str) -> None:
+    """BadInput unless Optuna's tables are in the database (optuna-dashboard reads them; issue 24)."""
+    from sqlalchemy import inspect
+
+    from workers.errors import BadInput
+
+    tables = set(inspect(engine).get_table_names())
+    missing = sorted({models.StudyModel.__tablename__, models.VersionInfoModel.__tablename__, TRIALS.name} - tables)
+    if missing:
+        raise BadInput(f"database {display_url} has no Optuna studies (no table {', '.join(missing)}): "
+                       "run `fleettune tune` first")
+
+
 def _stored_datetime(value: datetime | None) -> datetime | None:
     """A trial datetime as Optuna's own model would store it (naive local or naive UTC)."""
     if value is None:
