@@ -864,6 +864,8 @@ def rollout_history(db_url, fmt) -> None:
 def serve_command(model_path, server, host, port, node_id, address) -> None:
     """Serve the model with this node's active configuration: an OpenAI-compatible server,
     restarted if it dies, switched to a new config without dropping requests."""
+    if address:  # one line now, not a silent wait on an unreachable head (rule 6 of issue 24)
+        dispatch.check_reachable(address)
     serve.serve(model_path, node_id=node_id, server=server, host=host, port=port, address=address,
                 on_ready=lambda sup: click.echo(f"serving {sup.alias} on {sup.address} (node {sup.node_id[:12]}, "
                                                 f"{sup.kind.name})", err=True))

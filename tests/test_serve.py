@@ -1,10 +1,13 @@
 """`fleettune serve` for real: SmolLM2 in llama-cpp-python's server, a steady request loop from the
-`openai` client, config changes under load with no failed request, a killed server restarted."""
+`openai` client, config changes under load with no failed request, a killed server restarted;
+concurrent streamed and plain requests with none cut, the server gone with a SIGKILLed supervisor,
+a model llama.cpp cannot load given up on after a bounded number of restarts (issue 24)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve_load import RoundRobinLoop
 from tests.conftest import wait_until
 from workers import nodeconfig, serve
 from workers.models import read_model_info
@@ -127,3 +131,157 @@ def test_a_bad_config_file_never_stops_the_supervisor_and_the_server_keeps_its_l
     back = wait_until(lambda: (s := serve.read_status(NODE)) and s["config_version"] == 2 and s["healthy"] and s,
                       timeout=120)
     assert back["config_error"] is None and back["restarts"] == 0 and proc.poll() is None
+
+
+def test_concurrent_streamed_and_plain_requests_cut_none(served):
+    """Four clients, every other request streamed: llama-cpp-python's default (interrupt_requests)
+    ended a running stream whenever another request arrived; now each waits its turn."""
+    _, status = served
+    with RoundRobinLoop([status], max_requests=40, max_s=240, clients=4, streamed=True) as loop:
+        wait_until(lambda: loop.ok + len(loop.failures) >= 40, timeout=240)
+    assert loop.failures == [] and loop.ok == 40 and loop.streams_ok == 20
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (a container's init may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def port_free(port: int) -> bool:
+    try:
+        with socket.create_server(("127.0.0.1", port)):
+            return True
+    except OSError:
+        return False
+
+
+def start_serve(model_path: Path, port: int, log: Path, node: str = NODE) -> subprocess.Popen:
+    with open(log, "a") as out:
+        return subprocess.Popen([FLEETTUNE, "serve", "--model", str(model_path), "--node-id", node, "--port",
+                                 str(port), "--server", "llama-cpp-python"], stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_supervisor_takes_its_server_along_and_a_new_serve_gets_the_port(model_path, tmp_path):
+    first = start_serve(model_path, 0, tmp_path / "serve.log")
+    second = None
+    try:
+        status = wait_until(lambda: (s := serve.read_status(NODE)) and s["healthy"] and s["fresh"] and s,
+                            timeout=120)
+        port, child = int(status["address"].rsplit(":", 1)[1].split("/")[0]), status["pid"]
+        first.kill()  # SIGKILL: no clean-up of its own (an OOM kill, a crash)
+        first.wait()
+        wait_until(lambda: not alive(child), timeout=10)
+        wait_until(lambda: port_free(port), timeout=10)
+        second = start_serve(model_path, port, tmp_path / "serve.log")  # what launchd/systemd do next
+        again = wait_until(lambda: (s := serve.read_status(NODE)) and s["supervisor_pid"] == second.pid
+                           and s["healthy"] and s, timeout=120)
+        assert again["address"] == status["address"] and second.poll() is None
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+
+
+def test_a_server_child_exits_when_its_lifeline_closes(model_path, tmp_path):
+    """The portable mechanism alone (macOS has no parent-death signal): this test stays the
+    child's parent; another process holds the lifeline's only write end and is killed."""
+    from workers.bench import PARENT_GONE_EXIT
+
+    read_end, write_end = os.pipe()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                              pass_fds=(write_end,))
+    os.close(write_end)
+    sock = socket.create_server(("127.0.0.1", 0))
+    ready_r, ready_w = os.pipe()
+    argv = serve.LlamaCppPython().argv(str(model_path), "smollm2", serve.BenchParams.from_dict(serve.DEFAULT_PARAMS),
+                                       listen_fd=sock.fileno(), ready_fd=ready_w, port=None, parent_fd=read_end)
+    child = subprocess.Popen(argv, pass_fds=(sock.fileno(), ready_w, read_end), start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(read_end)
+    os.close(ready_w)
+    sock.close()
+    try:
+        assert os.read(ready_r, 1) == b"1"  # loaded and accepting
+        holder.kill()
+        holder.wait()
+        assert child.wait(timeout=10) == PARENT_GONE_EXIT
+    finally:
+        os.close(ready_r)
+        for proc in (holder, child):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_keeper_stops_its_command_when_the_lifeline_closes():
+    """Where llama-server cannot get a parent-death signal (macOS), a keeper process runs it and
+    stops it when the supervisor's lifeline closes."""
+    read_end, write_end = os.pipe()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                              pass_fds=(write_end,))
+    os.close(write_end)
+    keeper = subprocess.Popen([sys.executable, "-m", "workers.serve", "--keep", "--parent-pipe", str(read_end), "--",
+                               sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(600)"],
+                              pass_fds=(read_end,), stdout=subprocess.PIPE, text=True)
+    os.close(read_end)
+    try:
+        command = int(keeper.stdout.readline())
+        assert alive(command)
+        holder.kill()
+        holder.wait()
+        keeper.wait(timeout=10)
+        wait_until(lambda: not alive(command), timeout=10)
+    finally:
+        holder.kill()
+        holder.wait()
+        keeper.kill()
+        keeper.wait()
+
+
+def unloadable_copy(model_path: Path, out: Path) -> Path:
+    """SmolLM2 with its architecture renamed: our GGUF reader accepts it, llama.cpp does not."""
+    data = bytearray(model_path.read_bytes())
+    from gguf import GGUFReader
+
+    header_end = GGUFReader(model_path).data_offset
+    head = bytes(data[:header_end]).replace(b"llama.", b"llamz.").replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
+                                                                         b"\x05\x00\x00\x00\x00\x00\x00\x00llamz")
+    out.write_bytes(head + bytes(data[header_end:]))
+    return out
+
+
+def test_a_model_llama_cpp_cannot_load_is_given_up_after_a_few_restarts(model_path, tmp_path):
+    bad = unloadable_copy(model_path, tmp_path / "unloadable.gguf")
+    assert read_model_info(bad).architecture == "llamz"
+    node = "6f" * 16
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    proc = start_serve(bad, 0, log, node=node)
+    try:
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    took = time.monotonic() - started
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    assert code == 2, lines
+    assert lines[-1].startswith("error: the llama-cpp-python server died 6 times in a row"), lines
+    # the backoff: 0.5 + 1 + 2 + 4 + 8 s between the six starts, not 39 restarts in 30 s
+    assert took >= sum(serve.RESTART_BACKOFF_S * 2 ** i for i in range(serve.RESTART_LIMIT - 1))
+    assert serve.read_status(node) is None  # nothing left saying it serves
+
+
+def test_serve_with_an_unreachable_head_says_so_in_one_line(model_path):
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]  # bound and closed below: nothing listens there
+    started = time.monotonic()
+    result = subprocess.run([FLEETTUNE, "serve", "--model", str(model_path), "--address", f"127.0.0.1:{port}",
+                             "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and time.monotonic() - started < 30
+    assert result.stderr.strip().splitlines() == [f"error: cannot reach the Ray cluster at 127.0.0.1:{port}: "
+                                                  "Connection refused"], result.stderr

@@ -11,9 +11,14 @@ activation reload without dropping a request:
    requests in flight, closes idle keep-alive connections; new connections, and those already
    queued on the shared socket, are accepted by the new child.
 
-A child that dies is started again; the server answers a health check every few seconds. What the
-supervisor serves (address, model, config version, health, why the node's config file is not used
-when it is not valid) is written to ``serve-status/<node id>.json``, a folder of its own beside
+A child that dies is started again, after a delay that doubles with each death in a row
+(``RESTART_BACKOFF_S``); after ``RESTART_LIMIT`` deaths in a row (a model llama.cpp cannot load)
+the supervisor gives up with one line and exit 2. Every child dies with its supervisor, however
+the supervisor dies (rule 24.2): the parent-death signal on Linux, and everywhere a lifeline pipe
+whose only write end the supervisor holds (``workers.bench``'s measuring child is the model), so a
+restarted ``serve`` finds its port free. The server answers a health check every few seconds. What
+the supervisor serves (address, model, config version, health, why the node's config file is not
+used when it is not valid) is written to ``serve-status/<node id>.json``, a folder of its own beside
 ``node-config/`` (rule 21.2), which the head reads through Ray (``agent.serve_status``).
 
 The config file is read as it is written, through ``NodeConfig.from_dict`` (rule 24.3): a file that
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers import knobs, llamatools, nodeconfig
+from workers.bench import PARENT_GONE_EXIT, PR_SET_PDEATHSIG
 from workers.errors import BadInput
 from workers.files import atomic_write
 from workers.nodeconfig import BadConfigFile, NodeConfig
@@ -56,6 +62,10 @@ HUB_EVERY_S = 10.0
 STATUS_FRESH_S = 15.0  # a status file older than this: the supervisor is gone
 READY_TIMEOUT_S = 300.0
 N_CTX = 2048
+RESTART_BACKOFF_S = 0.5  # the wait before the first restart; doubled for each death in a row
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_LIMIT = 6  # deaths in a row before `serve` gives up (exit 2)
+STABLE_S = 30.0  # a child that served this long before it died starts the count again
 
 
 def status_dir() -> Path:
@@ -96,7 +106,9 @@ class ServerKind:
     build: dict | None = None  # llama.cpp's build (commit, backend) where the kind can tell
 
     def argv(self, model_path: str, alias: str, params: BenchParams, *, listen_fd: int | None,
-             ready_fd: int | None, port: int | None, host: str = "127.0.0.1") -> list[str]:
+             ready_fd: int | None, port: int | None, host: str = "127.0.0.1",
+             parent_fd: int | None = None) -> list[str]:
+        """The child's command line; ``parent_fd``: the read end of the supervisor's lifeline."""
         raise NotImplementedError
 
 
@@ -106,9 +118,10 @@ class LlamaCppPython(ServerKind):
     name = "llama-cpp-python"
     takes_socket = True
 
-    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1", parent_fd=None):
+        lifeline = ["--parent-pipe", str(parent_fd)] if parent_fd is not None else []
         return [sys.executable, "-m", "workers.serve", "--fd", str(listen_fd), "--ready-fd", str(ready_fd),
-                "--model", model_path, "--alias", alias, "--params", json.dumps(params.to_dict())]
+                *lifeline, "--model", model_path, "--alias", alias, "--params", json.dumps(params.to_dict())]
 
 
 class LlamaServer(ServerKind):
@@ -124,11 +137,16 @@ class LlamaServer(ServerKind):
                            "PATH); use --server llama-cpp-python")
         self.build = llamatools.identity(self.binary)
 
-    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1"):
+    def argv(self, model_path, alias, params, *, listen_fd, ready_fd, port, host="127.0.0.1", parent_fd=None):
         # one slot, as llama-cpp-python serves: the whole context for one request at a time
-        return [self.binary, "-m", model_path, "--alias", alias,
-                *params.llama_cpp_flags("llama-server").split(), "-c", str(N_CTX),
-                "-np", "1", "--no-webui", "--host", host, "--port", str(port)]
+        # (requests queue for it: llama-server never cuts one off for another)
+        server = [self.binary, "-m", model_path, "--alias", alias,
+                  *params.llama_cpp_flags("llama-server").split(), "-c", str(N_CTX),
+                  "-np", "1", "--no-webui", "--host", host, "--port", str(port)]
+        if parent_fd is None or sys.platform.startswith("linux"):
+            return server  # on Linux the parent-death signal is set before exec (_die_with_parent)
+        # elsewhere llama-server cannot watch a pipe: a small keeper does, and stops it (rule 2)
+        return [sys.executable, "-m", "workers.serve", "--keep", "--parent-pipe", str(parent_fd), "--", *server]
 
 
 def server_kind(name: str) -> ServerKind:
@@ -188,6 +206,12 @@ class Supervisor:
         self._last_hub = -HUB_EVERY_S
         self.chip_key: str | None = None  # set when connected to Ray: the hub is asked by chip
         self._stop = False
+        self.deaths_in_row = 0  # children that died before serving STABLE_S, one after another
+        self._restart_at = 0.0  # monotonic time before which no new child starts (the backoff)
+        self.last_exit: str | None = None
+        # rule 2 of issue 24: every child holds the read end; the only write end is this process's,
+        # so the kernel closes it, and the children see EOF, whenever and however this one dies
+        self._lifeline_r, self._lifeline_w = os.pipe()
 
     @property
     def address(self) -> str:
@@ -219,17 +243,22 @@ class Supervisor:
         self.last_good = config if config and config.model_sha256 == self.model_sha256 else None
         return self.last_good
 
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f".{self.node_id}.server.log"
+
     def _spawn(self, config: NodeConfig | None) -> Child:
         params = config.bench_params if config else BenchParams.from_dict(DEFAULT_PARAMS)
         ready_r, ready_w = os.pipe()
         port = None if self.sock else self.port
         fds = (self.sock.fileno(), ready_w) if self.sock else (ready_w,)
         argv = self.kind.argv(self.model_path, self.alias, params, listen_fd=fds[0] if self.sock else None,
-                              ready_fd=ready_w, port=port, host=self.host)
+                              ready_fd=ready_w, port=port, host=self.host, parent_fd=self._lifeline_r)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f".{self.node_id}.server.log", "ab") as log:
+        with open(self.log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    pass_fds=fds, start_new_session=True)
+                                    pass_fds=(*fds, self._lifeline_r), start_new_session=True,
+                                    preexec_fn=_die_with_parent(os.getpid()))
         os.close(ready_w)
         if not self.kind.takes_socket:  # no ready pipe: readiness is its health check, then a warm-up
             os.close(ready_r)
@@ -283,14 +312,42 @@ class Supervisor:
             child.ready_r = None
         self.draining.append(child)
 
+    def _died(self, child: Child) -> None:
+        """Count a dead child and set when the next one may start (rule 6 of issue 24: back off,
+        then give up after RESTART_LIMIT deaths in a row)."""
+        served_s = time.monotonic() - child.started
+        self.deaths_in_row = 1 if child.ready and served_s >= STABLE_S else self.deaths_in_row + 1
+        code = child.proc.returncode
+        self.last_exit = f"exit code {code}"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                self.last_exit = f"killed by {signal.Signals(-code).name}"
+        if self.deaths_in_row >= RESTART_LIMIT:
+            raise ServerKeepsDying(
+                f"the {self.kind.name} server died {self.deaths_in_row} times in a row ({self.last_exit}"
+                f"{_last_line(self.log_path)}); giving up; its log: {self.log_path}")
+        delay = min(RESTART_BACKOFF_S * 2 ** (self.deaths_in_row - 1), RESTART_BACKOFF_MAX_S)
+        self._restart_at = time.monotonic() + delay
+        self.restarts += 1
+
     def step(self) -> None:
         """One pass: follow the config, replace or restart children, reap drained ones, health."""
         wanted = self.wanted()
         live = self.current
-        if live is None or live.proc.poll() is not None:  # never started, or died
-            if live is not None:
-                self.restarts += 1
+        if live is not None and live.proc.poll() is not None:  # died: restarted after the backoff
+            if live.ready_r is not None:
+                os.close(live.ready_r)
+                live.ready_r = None
+            self._died(live)
+            self.current = live = None
+            self.healthy = False
+        if live is None:
+            if time.monotonic() < self._restart_at:
+                self.write_status()
+                return
             self.current, self.healthy = self._spawn(wanted), False  # healthy again once checked
+            if self.pending is not None:  # started with the config wanted now: the switch is moot
+                self._retire(self.pending)
             self.pending = None
         elif wanted != live.config and wanted != self.refused and not self.pending:
             if self.kind.takes_socket:
@@ -306,6 +363,8 @@ class Supervisor:
         pending = self.pending
         if pending is not None:
             if pending.proc.poll() is not None:  # the new config does not start: keep the old one
+                if pending.ready_r is not None:
+                    os.close(pending.ready_r)
                 self.refused, self.pending = pending.config, None
                 self.restarts += 1
             elif self._check_ready(pending):
@@ -317,6 +376,8 @@ class Supervisor:
         if now - self._last_health >= HEALTH_EVERY_S:
             self._last_health = now
             self.healthy = self.current.ready and self._http_ok()
+        if self.current.ready and now - self.current.started >= STABLE_S:
+            self.deaths_in_row = 0
         self.write_status()
 
     def write_status(self) -> None:
@@ -328,7 +389,8 @@ class Supervisor:
             "params": config.params if config else DEFAULT_PARAMS, "ready": bool(child and child.ready),
             "config_error": self.config_error,
             "healthy": self.healthy and bool(child and child.ready), "restarts": self.restarts,
-            "pid": child.proc.pid if child else None,
+            "pid": child.proc.pid if child else None, "deaths_in_row": self.deaths_in_row,
+            "last_exit": self.last_exit,
             "supervisor_pid": os.getpid(), "draining": len(self.draining),
             "switching_to": self.pending.version if self.pending else None,
             "updated_at": time.time(),
@@ -361,7 +423,42 @@ class Supervisor:
                     child.proc.kill()
         if self.sock is not None:
             self.sock.close()
+        os.close(self._lifeline_w)
+        os.close(self._lifeline_r)
         status_path(self.node_id).unlink(missing_ok=True)
+
+
+class ServerKeepsDying(BadInput):
+    """The server child died RESTART_LIMIT times in a row: `serve` stops (one line, exit 2)."""
+
+
+def _last_line(log_path: Path, limit: int = 200) -> str:
+    """The log's last non-empty line (llama.cpp's reason, usually), for the one line on stderr."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+            lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return f"; last logged: {lines[-1][:limit]}" if lines else ""
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: on Linux the child gets SIGKILL when its supervisor dies (PR_SET_PDEATHSIG,
+    kept across exec), and exits at once if the supervisor died before this ran. Elsewhere it does
+    nothing: the lifeline pipe covers it (rule 2 of issue 24)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(PARENT_GONE_EXIT)
+
+    return preexec
 
 
 def _use_token() -> None:
@@ -453,7 +550,12 @@ def child_main(argv: list[str]) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--alias", required=True)
     parser.add_argument("--params", required=True)
+    parser.add_argument("--parent-pipe", type=int)
     args = parser.parse_args(argv)
+    if args.parent_pipe is not None:  # gone with the supervisor, however it dies (rule 2 of issue 24)
+        from workers.bench import _watch_parent
+
+        _watch_parent(args.parent_pipe)
     from workers.llamacompat import extra_buffers_usable
 
     if not extra_buffers_usable(args.model):
@@ -461,7 +563,9 @@ def child_main(argv: list[str]) -> None:
     params = BenchParams.from_dict(json.loads(args.params))
     settings = ModelSettings(model=args.model, model_alias=args.alias, n_ctx=N_CTX, verbose=False,
                              **knobs.server_settings(params))
-    app = create_app(server_settings=ServerSettings(), model_settings=[settings])
+    # rule 24.2: a request waits for the one being served instead of cutting it off
+    # (llama-cpp-python's default interrupts a running request whenever another one arrives)
+    app = create_app(server_settings=ServerSettings(interrupt_requests=False), model_settings=[settings])
     _warm(args.alias)
     sock = socket.socket(fileno=args.fd)
     server = uvicorn.Server(uvicorn.Config(_connection_close(app), log_level="warning",
@@ -523,5 +627,32 @@ def _warm(alias: str) -> None:
         proxy(alias).create_completion("Hello", max_tokens=2)
 
 
+def keep_main(argv: list[str]) -> int:
+    """``--keep --parent-pipe FD -- COMMAND...``: run COMMAND (llama-server, which cannot watch a
+    pipe itself) and stop it when the supervisor's lifeline closes; SIGTERM is passed on, and the
+    command's exit is this process's (rule 2 of issue 24, where there is no parent-death signal)."""
+    pipe_fd, command = int(argv[argv.index("--parent-pipe") + 1]), argv[argv.index("--") + 1:]
+    proc = subprocess.Popen(command, preexec_fn=_die_with_parent(os.getpid()))
+    signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+
+    def on_eof() -> None:
+        while True:
+            try:
+                data = os.read(pipe_fd, 64)
+            except OSError:
+                data = b""
+            if not data:
+                proc.kill()
+                os._exit(PARENT_GONE_EXIT)
+
+    import threading
+
+    threading.Thread(target=on_eof, daemon=True).start()
+    code = proc.wait()
+    return 128 - code if code < 0 else code
+
+
 if __name__ == "__main__":
+    if "--keep" in sys.argv[1:]:
+        sys.exit(keep_main(sys.argv[1:]))
     child_main(sys.argv[1:])
