@@ -192,7 +192,7 @@ class Supervisor:
         else:  # the server binds the port itself: the supervisor only picked it (port 0: a free one)
             self.sock.close()
             self.sock = None
-        self.log_dir = log_dir or nodeconfig.config_dir()
+        self.log_dir = log_dir or status_dir()
         self.current: Child | None = None
         self.pending: Child | None = None  # a new config's child, until it is ready
         self.refused: NodeConfig | None = None  # a config whose server would not start: not retried
