@@ -83,6 +83,9 @@ LLAMA_CPP = "llama.cpp defaults"
 NOISE_ARM = "llama.cpp defaults (A/A)"  # the same configuration measured twice a round: the noise
 WARMUP_ARM = "warm-up"  # measured before the first round, not counted
 CANDIDATE = "candidate "  # arms "candidate 1", "candidate 2", ...
+# a confirmation after more search is a new one: its rounds are numbered from the next multiple of
+# this, and the claims rest on the last generation's rounds only
+ROUND_GENERATION = 1000
 
 
 def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, n_gen: int) -> dict | None:
@@ -96,8 +99,11 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
 
     rounds: dict[int, dict[str, float | None]] = {}
     arms: dict[str, BenchParams] = {}
-    for r in records:
-        if r.phase != "confirm" or r.confirm_arm is None or r.confirm_round is None or r.confirm_arm == WARMUP_ARM:
+    paired = [r for r in records if r.phase == "confirm" and r.confirm_arm is not None
+              and r.confirm_round is not None and r.confirm_arm != WARMUP_ARM]
+    generation = max((r.confirm_round // ROUND_GENERATION for r in paired), default=0)
+    for r in paired:
+        if r.confirm_round // ROUND_GENERATION != generation:
             continue
         arms.setdefault(r.confirm_arm, r.params)
         rounds.setdefault(r.confirm_round, {})[r.confirm_arm] = trial_rate(r.samples, target, n_prompt, n_gen)

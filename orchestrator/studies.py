@@ -458,7 +458,7 @@ class ConfirmRounds:
         self.values: dict[int, dict[str, float | None]] = dict(values or {})  # round -> arm -> rate
         self.round = first_round - 1
         self.first_round = first_round
-        self.queue: list[tuple[str, BenchParams, int]] = [(learn.WARMUP_ARM, arms[0][1], 0)] if arms else []
+        self.queue: list[tuple[str, BenchParams, int]] = [(learn.WARMUP_ARM, arms[0][1], first_round - 1)] if arms else []
         self.running = False
         self.total = 1 + len(arms) * max(max_rounds - len(self.values), 0)
         self._done = self._failed = 0
@@ -489,7 +489,7 @@ class ConfirmRounds:
         if done_rounds >= self.max_rounds or (done_rounds >= CONFIRM_MIN_ROUNDS and self._narrow()):
             return None
         self.round += 1
-        shift = (self.round - 1) % len(self.arms)
+        shift = (self.round % learn.ROUND_GENERATION - 1) % len(self.arms)
         self.queue = [(name, params, self.round) for name, params in self.arms[shift:] + self.arms[:shift]]
         self.values.setdefault(self.round, {})
         return self.queue.pop(0)
@@ -1029,8 +1029,17 @@ class StudyRunner:
                 (learn.NOISE_ARM, defaults)]
 
     def _confirm_rounds(self) -> ConfirmRounds | None:
-        """The confirmation's source; a resumed study keeps its arms and the rounds it measured."""
+        """The confirmation's source. A study resumed during its confirmation keeps its arms and
+        the rounds it measured; one whose search went on after it confirms afresh, in the next
+        generation of round numbers (``learn.ROUND_GENERATION``), the claims resting on that one."""
         rows = [r for r in self._phase_trials("confirm") if r.confirm_arm and r.confirm_arm != learn.WARMUP_ARM]
+        if rows and any(r.id > rows[-1].id for r in self._phase_trials("search")):
+            generation, rows = max(r.confirm_round for r in rows) // learn.ROUND_GENERATION + 1, []
+        elif rows:
+            generation = max(r.confirm_round for r in rows) // learn.ROUND_GENERATION
+            rows = [r for r in rows if r.confirm_round // learn.ROUND_GENERATION == generation]
+        else:
+            generation = 0
         w = self.workload
 
         def rate(result: TrialResult) -> float | None:
@@ -1042,11 +1051,12 @@ class StudyRunner:
             arms = list({r.confirm_arm: BenchParams.from_dict(r.params) for r in rows}.items())
             for r in rows:
                 if r.state == "complete":
+                    samples = [learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples]
                     values.setdefault(r.confirm_round, {})[r.confirm_arm] = learn.trial_rate(
-                        r.samples, self.objective, w.n_prompt, w.n_gen)
+                        samples, self.objective, w.n_prompt, w.n_gen)
         else:
             arms = self._confirm_arms()
-        first = max(values, default=0) + 1
+        first = max(values, default=generation * learn.ROUND_GENERATION) + 1
         nodes = sorted(self.alive_nodes())
         return ConfirmRounds(arms, nodes[0] if nodes else None, self.alive_nodes, rate,
                              self.cfg.confirm_rounds, first, values)
