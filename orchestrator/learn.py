@@ -107,8 +107,8 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
             continue
         arms.setdefault(r.confirm_arm, r.params)
         rounds.setdefault(r.confirm_round, {})[r.confirm_arm] = trial_rate(r.samples, target, n_prompt, n_gen)
-    if LLAMA_CPP not in arms or not rounds:
-        return None
+    if LLAMA_CPP not in arms or not any(values.get(LLAMA_CPP) for values in rounds.values()):
+        return None  # llama.cpp's defaults never ran here: nothing to claim against
     order = sorted(rounds)
 
     def interval(a: str, b: str):
