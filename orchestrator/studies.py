@@ -3,8 +3,8 @@
 A study is one round loop (``StudyRunner._drive``) run over three sources of jobs in turn: the
 baselines (llama-cpp-python's defaults and llama.cpp's own, so the gain over each is known), the
 search (a first design of full offload, llama.cpp's defaults inside the space and the warm-start
-configurations, then the sampler's proposals) and the confirmation (the top configurations and
-both baselines measured again). Every round of the loop is the same four steps,
+configurations, then the sampler's proposals) and the confirmation (the top configurations, both
+baselines and an A/A arm in interleaved rounds on one node, ``ConfirmRounds``, issue 20.2). Every round of the loop is the same four steps,
 in one place:
 
     propose   (the source gives as many jobs as the chip has idle nodes)
