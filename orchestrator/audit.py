@@ -6,8 +6,9 @@ results database:
 - no Optuna trial number stored twice; nothing left RUNNING in either table (once the study is
   not running);
 - Optuna's trial states equal fleettune's, trial by trial (a complete row is a COMPLETE trial
-  with the same value; a failed row a FAIL one; an Optuna trial without a row was asked ahead and
-  never dispatched, and must be FAIL, or is queued and still WAITING);
+  with the same value; a failed row a FAIL one, or a COMPLETE one told a penalised value; an
+  Optuna trial without a row was asked ahead and never dispatched, and must be FAIL, or is queued
+  and still WAITING, or was a failed configuration proposed again and told its penalty);
 - every sample belongs to a complete trial;
 - search trials complete == budget for a complete study (never more: nothing counted twice);
 - one recommendation version per real change (a study that ran once has at most one).
@@ -22,6 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from orchestrator.db import Database, repo
+from orchestrator.studies import PENALISED
 
 
 @dataclass
@@ -89,15 +91,19 @@ def audit_study(db: Database, name: str, *, max_versions: int | None = 1) -> Stu
             continue
         expected = {"complete": TrialState.COMPLETE, "failed": TrialState.FAIL,
                     "running": TrialState.RUNNING}[row.state]
+        if row.state == "failed" and PENALISED in trial.user_attrs:  # told a penalised value (issue 20.6)
+            expected = TrialState.COMPLETE
         if trial.state != expected:
             report.lost += 1
             problems.append(f"trial {row.optuna_number}: {row.state} in fleettune, {trial.state.name} in Optuna")
-        elif expected == TrialState.COMPLETE and not math.isclose(trial.value, row.objective_value, rel_tol=1e-9):
+        elif row.state == "complete" and not math.isclose(trial.value, row.objective_value, rel_tol=1e-9):
             problems.append(f"trial {row.optuna_number}: value {row.objective_value} vs Optuna {trial.value}")
     stored = set(numbers)
     for trial in trials:
         if trial.number in stored:
             continue
+        if trial.state == TrialState.COMPLETE and PENALISED in trial.user_attrs:
+            continue  # a configuration that failed before, proposed again: told its penalty, never run
         if trial.state not in (TrialState.FAIL, TrialState.WAITING):  # asked ahead and failed, or queued
             report.lost += 1
             problems.append(f"Optuna trial {trial.number} is {trial.state.name} with no fleettune row")

@@ -427,6 +427,10 @@ def _progress_printer(console):
 @timeout_option()
 @click.option("--cooldown", default=0.0, show_default=True, help="Seconds of rest before each trial.")
 @click.option("--confirm-top", default=3, show_default=True, help="Top configurations to re-measure.")
+@click.option("--confirm-rounds", default=8, show_default=True,
+              help="Most rounds of the interleaved confirmation (at least 3).")
+@click.option("--allow-lossy", is_flag=True,
+              help="Also search the K/V cache types (they change the outputs; their KL divergence is measured).")
 @click.option("--warm-start/--no-warm-start", "warm", default=True, show_default=True,
               help="Measure first what the fleet predicts for this chip and the best configurations "
                    "of the nearest known chips.")
@@ -434,7 +438,8 @@ def _progress_printer(console):
 @db_option
 @output_options()
 def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, sampler, study_name, resume,
-         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, warm, quiet, db_url, fmt) -> None:
+         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, confirm_rounds, allow_lossy, warm,
+         quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
@@ -447,7 +452,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, s
         model=info, objective=objective,
         workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens, depth=depth), reps=reps,
         n_trials=trials, sampler=sampler, name=study_name, resume=resume, seed=seed,
-        timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top,
+        timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top, confirm_rounds=confirm_rounds,
+        allow_lossy=allow_lossy,
     )
     cfg.validate()
     console = Console(stderr=True)
@@ -489,12 +495,14 @@ ALL_CHIPS_COLUMNS = [
     Column("llama_cpp_flags", "best config"),
     Column("expected", "t/s", ".1f", "right"),
     Column("improvement", "vs llama-cpp-python", justify="right"),
-    Column("improvement_llama_cpp", "vs llama.cpp", justify="right"),
+    Column("vs_llama_cpp", "vs llama.cpp"),
+    Column("noise_aa", "noise (A/A)"),
 ]
 
 
 def _outcome_record(outcome, cfg) -> dict:
     from orchestrator.learn import LLAMA_CPP_PYTHON
+    from orchestrator.report import claim_fields, config_forms
 
     rec = outcome.recommendation
     obj = cfg.target_objective
@@ -506,16 +514,15 @@ def _outcome_record(outcome, cfg) -> dict:
         "trials_failed": outcome.n_failed,
     }
     if rec:
+        record.update(claim_fields(rec.claims))
         record.update({
             "recommendation_version": outcome.recommendation_version,
-            "llama_cpp_flags": rec.params.llama_cpp_flags(),
-            "llama_cpp_python": rec.params.llama_cpp_python_kwargs(),
+            **config_forms(rec.params, str(cfg.objective)),
             f"expected_{cfg.objective}_tps": round(rec.expected_tps, 3),
             "interval": [round(rec.interval_low, 3), round(rec.interval_high, 3)],
             "pp_tps": round(rec.expected_pp_tps, 3) if rec.expected_pp_tps else None,
             "tg_tps": round(rec.expected_tg_tps, 3) if rec.expected_tg_tps else None,
-            "llama_bench_flags": rec.params.llama_cpp_flags(tool="llama-bench"),
-            "baseline_flags": outcome.baseline_params.llama_cpp_flags(),
+            **config_forms(outcome.baseline_params, str(cfg.objective), "baseline_"),
             f"baseline_{cfg.objective}_tps": round(rec.baseline_tps, 3) if rec.baseline_tps else None,
             "improvement": f"{rec.improvement:+.1%}" if rec.improvement is not None else None,
             "unit": unit,
@@ -525,7 +532,7 @@ def _outcome_record(outcome, cfg) -> dict:
                 continue  # llama-cpp-python's: the baseline_* keys above
             gain = rec.improvement_over(name)
             record.update({
-                "llama_cpp_baseline_flags": params.llama_cpp_flags(),
+                **config_forms(params, str(cfg.objective), "llama_cpp_baseline_"),
                 f"llama_cpp_baseline_{cfg.objective}_tps": round(rec.baselines[name], 3)
                 if name in rec.baselines else None,
                 "improvement_llama_cpp": f"{gain:+.1%}" if gain is not None else None,
@@ -544,6 +551,7 @@ RESULT_COLUMNS = [
     Column("pp_tps", "pp t/s", ".1f", "right"),
     Column("tg_tps", "tg t/s", ".1f", "right"),
     Column("cv", "cv", ".0%", "right"),
+    Column("kl_divergence", "KL", ".4f", "right"),
     Column("sim", "sim"),
 ]
 
@@ -577,9 +585,16 @@ BEST_COLUMNS = [
     Column("expected_tps", "t/s", ".2f", "right"),
     Column("improvement_pct", "vs llama-cpp-python", justify="right"),
     Column("improvement_llama_cpp_pct", "vs llama.cpp", justify="right"),
+    Column("kl_divergence", "KL", justify="right"),
     Column("version", "v", justify="right"),
     Column("simulated", "sim"),
 ]
+
+
+# what a study claims, printed under each recommendation (issue 20.3)
+CLAIM_LINES = (("outcome", "outcome"), ("vs_llama_cpp", "vs llama.cpp's defaults"),
+               ("vs_llama_cpp_python", "vs llama-cpp-python's defaults"), ("noise_aa", "noise (A/A)"),
+               ("kl_divergence", "KL divergence vs f16 cache"))
 
 
 @main.command()
@@ -596,8 +611,9 @@ def best(model_ref, chip, objective, db_url, fmt) -> None:
     click.echo(render(rows, BEST_COLUMNS, fmt))
     if fmt == "table":
         for row in rows:
+            claims = "".join(f"\n{label}: {row[key]}" for key, label in CLAIM_LINES if row.get(key))
             click.echo(f"\n{row['chip']} ({row['objective']}): llama-bench {row['llama_bench_flags']}\n"
-                       + llama_cpp_python_code(row["llama_cpp_python"]))
+                       + llama_cpp_python_code(row["llama_cpp_python"]) + claims)
 
 
 # ---------------------------------------------------------------- schedules

@@ -7,6 +7,7 @@ are never pooled: a study is one or the other, and ``recommend`` refuses a mixed
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -24,6 +25,15 @@ class TrialRecord:
     params: BenchParams
     samples: tuple[Sample, ...]
     simulated: bool
+    effective: dict | None = None  # what llama.cpp ran (issue 20.1); None: not read back
+    confirm_round: int | None = None  # the interleaved confirmation's round and arm (issue 20.2)
+    confirm_arm: str | None = None
+    kl_divergence: float | None = None
+
+    @property
+    def key(self) -> str:
+        """The configuration's identity: its effective values where llama.cpp reported them."""
+        return identity(self.params, self.effective)
 
 
 @dataclass(frozen=True)
@@ -39,10 +49,15 @@ class RecommendationDraft:
     evidence: list[int]
     simulated: bool
     baselines: dict[str, float] = field(default_factory=dict)  # name -> its value, each measured in the study
+    claims: dict = field(default_factory=dict)  # issue 20.3: paired ratios with intervals (see ``paired_claims``)
 
     def improvement_over(self, name: str) -> float | None:
         """The gain over one baseline (0.25: 25 % faster), None where the study did not measure it.
+        From the paired rounds where the study confirmed in rounds, else from the pooled medians.
         Every value here is a rate (e2e as tokens per second), so higher is better."""
+        paired = self.claims.get("vs", {}).get(name)
+        if paired is not None:
+            return paired["ratio"] - 1 if math.isfinite(paired["ratio"]) else None
         base = self.baselines.get(name)
         return self.expected_tps / base - 1 if base else None
 
@@ -52,12 +67,86 @@ def _rates(samples, kind: str) -> list[float]:
 
 
 def config_key(params: BenchParams) -> str:
-    """One string per distinct configuration, for grouping trials."""
+    """One string per distinct configuration as asked for, for grouping trials."""
     return json.dumps(params.to_dict(), sort_keys=True)
+
+
+def identity(params: BenchParams, effective: dict | None) -> str:
+    """One string per configuration llama.cpp actually ran (issue 20.1): two configurations with
+    equal effective values (``-fa auto`` resolved to on, and ``-fa on``) are one; where the values
+    were not read back (older records), the configuration as asked for."""
+    return json.dumps(effective, sort_keys=True) if effective else config_key(params)
 
 
 LLAMA_CPP_PYTHON = "llama-cpp-python defaults"
 LLAMA_CPP = "llama.cpp defaults"
+NOISE_ARM = "llama.cpp defaults (A/A)"  # the same configuration measured twice a round: the noise
+WARMUP_ARM = "warm-up"  # measured before the first round, not counted
+CANDIDATE = "candidate "  # arms "candidate 1", "candidate 2", ...
+# a confirmation after more search is a new one: its rounds are numbered from the next multiple of
+# this, and the claims rest on the last generation's rounds only
+ROUND_GENERATION = 1000
+
+
+def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, n_gen: int) -> dict | None:
+    """What the interleaved confirmation's rounds show (issue 20.3), or None where it had none.
+
+    Each candidate's ratio over llama.cpp's defaults comes from the paired rounds (pairedstats);
+    the best candidate by that ratio is the winner only where its whole interval lies above 1, else
+    llama.cpp's defaults win (the simpler configuration wins ties). The winner's ratios over both
+    baselines and the A/A ratio (the machine's noise) are kept with the rounds they rest on."""
+    from orchestrator.pairedstats import Verdict, ratio_interval
+
+    rounds: dict[int, dict[str, float | None]] = {}
+    arms: dict[str, BenchParams] = {}
+    paired = [r for r in records if r.phase == "confirm" and r.confirm_arm is not None
+              and r.confirm_round is not None and r.confirm_arm != WARMUP_ARM]
+    generation = max((r.confirm_round // ROUND_GENERATION for r in paired), default=0)
+    for r in paired:
+        if r.confirm_round // ROUND_GENERATION != generation:
+            continue
+        arms.setdefault(r.confirm_arm, r.params)
+        rounds.setdefault(r.confirm_round, {})[r.confirm_arm] = trial_rate(r.samples, target, n_prompt, n_gen)
+    if LLAMA_CPP not in arms or not any(values.get(LLAMA_CPP) for values in rounds.values()):
+        return None  # llama.cpp's defaults never ran here: nothing to claim against
+    order = sorted(rounds)
+
+    def interval(a: str, b: str):
+        return ratio_interval([rounds[i].get(a) for i in order], [rounds[i].get(b) for i in order])
+
+    def as_dict(ri) -> dict:
+        return {"ratio": ri.ratio, "low": ri.low, "high": ri.high, "rounds": ri.rounds,
+                "verdict": ri.verdict.value, "text": ri.describe()}
+
+    candidates = sorted((a for a in arms if a.startswith(CANDIDATE)), key=lambda a: int(a.split()[-1]))
+    ranked = sorted(((interval(a, LLAMA_CPP), a) for a in candidates),
+                    key=lambda item: item[0].ratio if math.isfinite(item[0].ratio) else -math.inf, reverse=True)
+    best = ranked[0] if ranked else None
+    winner = best[1] if best and best[0].verdict is Verdict.FASTER else LLAMA_CPP
+    claims: dict = {"winner": winner, "rounds": len(order), "params": arms[winner].to_dict(), "vs": {}}
+    for name in (LLAMA_CPP_PYTHON, LLAMA_CPP):
+        if name in arms and name != winner:
+            claims["vs"][name] = as_dict(interval(winner, name))
+    if best is not None:
+        claims["best_candidate"] = {"arm": best[1], "params": arms[best[1]].to_dict(), **as_dict(best[0])}
+    if NOISE_ARM in arms:
+        claims["noise"] = as_dict(interval(NOISE_ARM, LLAMA_CPP))
+    if winner != LLAMA_CPP:
+        claims["outcome"] = f"{claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
+    elif best is not None and best[0].verdict is Verdict.SLOWER:
+        claims["outcome"] = "llama.cpp's defaults: every candidate was slower"
+    else:
+        claims["outcome"] = "no measurable difference from llama.cpp's defaults"
+    return claims
+
+
+def trial_rate(samples, target: str | Objective, n_prompt: int, n_gen: int) -> float | None:
+    """One trial's figure in the objective's rate (e2e as tokens per second): its median."""
+    target = objective(target)
+    pp, tg = _rates(samples, "pp"), _rates(samples, "tg")
+    pp_med = statistics.median(pp) if pp else None
+    tg_med = statistics.median(tg) if tg else None
+    return target.rate(pp_med, tg_med, n_prompt, n_gen)
 
 
 def recommend(
@@ -78,9 +167,11 @@ def recommend(
     target = objective(target)
     if len({r.simulated for r in records}) > 1:
         raise FleettuneError("refusing to learn from simulated and real measurements together")
-    by_config: dict[str, list[TrialRecord]] = {}
+    by_config: dict[str, list[TrialRecord]] = {}  # by identity: equal effective values pool (issue 20.1)
+    asked: dict[str, str] = {}  # a configuration as asked for -> its identity
     for record in records:
-        by_config.setdefault(config_key(record.params), []).append(record)
+        by_config.setdefault(record.key, []).append(record)
+        asked.setdefault(config_key(record.params), record.key)
     confirmed = [rs for rs in by_config.values() if any(r.phase == "confirm" for r in rs)]
     candidates = confirmed or list(by_config.values())
 
@@ -96,33 +187,48 @@ def recommend(
     if baselines is None:  # the study's order: llama-cpp-python's defaults, then llama.cpp's
         distinct = list({config_key(r.params): r.params for r in baseline_group}.values())
         baselines = dict(zip((LLAMA_CPP_PYTHON, LLAMA_CPP), distinct, strict=False))
-    baseline_keys = {name: config_key(params) for name, params in baselines.items()}
+    baseline_keys = {name: asked.get(config_key(params), config_key(params)) for name, params in baselines.items()}
     for key in baseline_keys.values():  # a measured baseline always competes
         if key in by_config and by_config[key] not in candidates:
             candidates = [*candidates, by_config[key]]
+    claims = paired_claims(records, target, n_prompt, n_gen)
+    if claims is not None:  # the interleaved rounds decide (issue 20.3), not the pooled medians
+        winner = next(r for r in records if r.confirm_arm == claims["winner"])
+        candidates = [by_config[winner.key]]
     scored = [(summary(group), group) for group in candidates]
     scored = [(s, g) for s, g in scored if s is not None]
     if not scored:
         return None
     best, group = max(scored, key=lambda item: item[0]["value"])
+    params = group[0].params
+    if claims is not None:
+        params = BenchParams.from_dict(claims["params"])
+        kl = [r.kl_divergence for r in group if r.kl_divergence is not None]
+        if kl:
+            claims["kl_divergence"] = statistics.fmean(kl)
     values = {}
     for name, key in baseline_keys.items():
         measured = summary(by_config[key]) if key in by_config else None
         if measured is not None:
             values[name] = measured["value"]
     baseline_tps = values.get(LLAMA_CPP_PYTHON)
+    if claims is not None and LLAMA_CPP_PYTHON in claims["vs"]:
+        baseline_gain = claims["vs"][LLAMA_CPP_PYTHON]["ratio"] - 1
+    else:
+        baseline_gain = (best["value"] / baseline_tps - 1) if baseline_tps else None
     return RecommendationDraft(
-        params=group[0].params,
+        params=params,
         expected_tps=best["value"],
         interval_low=best["low"],
         interval_high=best["high"],
         expected_pp_tps=best["pp"],
         expected_tg_tps=best["tg"],
         baseline_tps=baseline_tps,
-        improvement=(best["value"] / baseline_tps - 1) if baseline_tps else None,
+        improvement=baseline_gain,
         evidence=sorted(r.trial_id for r in group),
         simulated=group[0].simulated,
         baselines=values,
+        claims=claims or {},
     )
 
 
@@ -138,7 +244,7 @@ def top_configs(records: list[TrialRecord], values: dict[int, float], target: st
     )
     seen, out = set(), []
     for record in ranked:
-        key = config_key(record.params)
+        key = record.key  # configurations llama.cpp ran alike are one (issue 20.1)
         if key not in seen:
             seen.add(key)
             out.append(record.params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from orchestrator import learn
 from orchestrator.db import Database, repo
 from orchestrator.registry import model_key
+from orchestrator.report import claim_fields, llama_bench_form
 from workers.errors import BadInput
 from workers.objective import objective
 from workers.trial import BenchParams
@@ -35,6 +36,13 @@ def trial_rows(
                 "error": t.error,
                 "params": t.params,
                 "flags": BenchParams.from_dict(t.params).llama_cpp_flags(),
+                # what llama.cpp ran (issue 20.1), the confirmation's round and arm (20.2), the
+                # KL divergence of a lossy cache (20.4)
+                "effective": t.effective,
+                "effective_flags": BenchParams.from_dict(t.effective).llama_cpp_flags() if t.effective else None,
+                "confirm_round": t.confirm_round,
+                "confirm_arm": t.confirm_arm,
+                "kl_divergence": t.kl_divergence,
                 "objective": t.study.objective,
                 "objective_value": t.objective_value,
                 "pp_tps": t.pp_tps_median,
@@ -65,6 +73,11 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
             params = BenchParams.from_dict(rec.params)
             baselines = rec.baselines or {}
             vs_llama_cpp = _gain(rec.expected_tps, baselines.get(learn.LLAMA_CPP))
+            paired = (rec.claims or {}).get("vs", {})
+            if learn.LLAMA_CPP in paired:  # the paired rounds' ratio (issue 20.3)
+                vs_llama_cpp = paired[learn.LLAMA_CPP]["ratio"] - 1
+            elif rec.claims:  # the recommendation is llama.cpp's defaults
+                vs_llama_cpp = 0.0
             rows.append({
                 "chip": rec.chip.key,
                 "model": rec.model.name,
@@ -73,7 +86,7 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
                 "n_gen": rec.n_gen,
                 "depth": rec.depth,
                 "flags": params.llama_cpp_flags(),
-                "llama_bench_flags": params.llama_cpp_flags(tool="llama-bench"),
+                "llama_bench_flags": llama_bench_form(params, rec.objective),
                 "llama_cpp_python": params.llama_cpp_python_kwargs(),
                 "baselines": baselines,
                 "improvement_llama_cpp": vs_llama_cpp,
@@ -89,6 +102,8 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
                 "evidence": rec.evidence,
                 "simulated": rec.simulated,
                 "created_at": rec.created_at,
+                "claims": rec.claims,
+                **claim_fields(rec.claims),
             })
         return rows
 

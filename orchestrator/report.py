@@ -356,3 +356,56 @@ def human_params(n: int) -> str:
 
 __all__ = ["FORMATS", "Column", "Layout", "Printer", "create_printer", "csv_safe", "formats", "human_bytes",
            "human_params", "register", "render", "render_record"]
+
+
+# ---------------------------------------------------------------- a study's claims (issue 20)
+
+
+def llama_bench_form(params, objective: str) -> str:
+    """``params`` as llama-bench flags, faithfully (issue 20.5): llama-bench has no ``-tb`` and runs
+    pp and tg on ``-t`` threads, so a pp configuration is given with its prompt threads as ``-t``,
+    a tg one with its generation threads; an e2e one whose two thread counts differ says so."""
+    from dataclasses import replace
+
+    from workers.objective import objective as objective_named
+
+    kinds = objective_named(objective).kinds
+    threads_batch = params.threads_batch
+    if kinds == ("pp",):
+        return replace(params, n_threads=threads_batch, n_threads_batch=None).llama_cpp_flags("llama-bench")
+    flags = replace(params, n_threads_batch=None).llama_cpp_flags("llama-bench")
+    if "pp" in kinds and "tg" in kinds and threads_batch != params.n_threads:
+        flags += f" (prompt threads {threads_batch}: llama-bench runs -p on -t, so measure -p with -t {threads_batch})"
+    return flags
+
+
+def config_forms(params, objective: str, prefix: str = "") -> dict:
+    """One configuration in every tool's form: llama-server flags, llama-bench flags, Llama(...)."""
+    return {
+        f"{prefix}flags" if prefix else "llama_cpp_flags": params.llama_cpp_flags(),
+        f"{prefix}llama_bench_flags": llama_bench_form(params, objective),
+        f"{prefix}llama_cpp_python": params.llama_cpp_python_kwargs(),
+    }
+
+
+def claim_fields(claims: dict | None) -> dict:
+    """What a study claims, as printed by ``tune``, ``best`` and stored with the recommendation
+    (issue 20.3): the outcome, the ratio over each baseline with its interval from the paired
+    rounds, the A/A noise, and the KL divergence of a lossy recommendation (issue 20.4)."""
+    from orchestrator.learn import LLAMA_CPP, LLAMA_CPP_PYTHON
+
+    if not claims:
+        return {}
+    vs = claims.get("vs", {})
+    out = {"outcome": claims.get("outcome"), "confirm_rounds": claims.get("rounds")}
+    if LLAMA_CPP in vs:
+        out["vs_llama_cpp"] = vs[LLAMA_CPP]["text"]
+    elif "best_candidate" in claims:
+        out["vs_llama_cpp"] = f"best candidate: {claims['best_candidate']['text']}"
+    if LLAMA_CPP_PYTHON in vs:
+        out["vs_llama_cpp_python"] = vs[LLAMA_CPP_PYTHON]["text"]
+    if "noise" in claims:
+        out["noise_aa"] = claims["noise"]["text"]
+    if claims.get("kl_divergence") is not None:
+        out["kl_divergence"] = f"{claims['kl_divergence']:.5f}"
+    return out

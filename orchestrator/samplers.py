@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -27,6 +28,7 @@ from workers.errors import BadInput
 from workers.knobs import optuna_name
 
 SAMPLER_NAMES = ("auto", "tpe", "gp", "random", "grid", "seed-scan")
+log = logging.getLogger(__name__)
 DEFAULT_SAMPLER = "auto"  # gp for small fleets where torch is installed (fewest trials), else tpe
 
 
@@ -267,6 +269,24 @@ class BudgetedGridSampler(optuna.samplers.GridSampler):
         return None
 
 
+class OnceWarnedGPSampler(optuna.samplers.GPSampler):
+    """Optuna's GP sampler that says once per study, not at every trial, which dimension it samples
+    at random (issue 20.6): a conditional dimension (the V cache type, n_cpu_moe) is outside the
+    space a Gaussian process models."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(warn_independent_sampling=False, **kw)
+        self._said: set[str] = set()
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        startup = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) < self._n_startup_trials
+        if not startup and param_name not in self._said:  # past the random start, as Optuna's own warning
+            self._said.add(param_name)
+            log.warning("gp sampler: %r is sampled at random (a conditional dimension the Gaussian "
+                        "process cannot model); said once per study", param_name)
+        return super().sample_independent(study, trial, param_name, param_distribution)
+
+
 def make_sampler(name: str, space: SearchSpace, budget: int, direction: str, seed: int | None) -> BaseSampler:
     """The sampler called ``name`` for a study over ``space`` with ``budget`` trials."""
     name = resolve_sampler(name)
@@ -282,7 +302,7 @@ def make_sampler(name: str, space: SearchSpace, budget: int, direction: str, see
             import torch  # noqa: F401
         except ImportError:
             raise BadInput("sampler gp needs torch: pip install 'fleettune[gp]'") from None
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=min(10, max(3, budget // 3)))
+        return OnceWarnedGPSampler(seed=seed, n_startup_trials=min(10, max(3, budget // 3)))
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":

@@ -139,7 +139,8 @@ def trial_records(rows) -> list[learn.TrialRecord]:
         learn.TrialRecord(
             trial_id=r.id, phase=r.phase, params=BenchParams.from_dict(r.params),
             samples=tuple(learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples),
-            simulated=r.simulated,
+            simulated=r.simulated, effective=r.effective, confirm_round=r.confirm_round,
+            confirm_arm=r.confirm_arm, kl_divergence=r.kl_divergence,
         )
         for r in rows if r.state == "complete"
     ]

@@ -18,8 +18,9 @@ Each dimension is searched only where it can change the objective on this target
 - flash attention: off, on and llama.cpp's ``auto`` (which picks "on" where the backend has the
   kernel) on a GPU backend; on and off on a CPU-only node (the CPU kernel exists; ``auto`` means on
   there too, so it adds nothing).
-- K and V cache types: f16, q8_0, q4_0; a quantized V cache needs flash attention on, so the V type
-  is searched only in the trials that have flash attention "on" (a conditional dimension).
+- K and V cache types: f16, q8_0, q4_0, only where the user allows lossy knobs (``tune
+  --allow-lossy``; a quantized cache changes the model's outputs); a quantized V cache needs flash
+  attention on, so the V type is searched only in the trials that have flash attention "on".
 - n_cpu_moe (layers whose expert tensors stay in host memory): only for a mixture-of-experts model
   whose weights exceed the GPU's working set, and only in trials that offload layers.
 - op offload: only on a GPU backend (CUDA, Metal: both implement ggml's ``offload_op``), only
@@ -128,7 +129,7 @@ class SearchSpace:
 
     @classmethod
     def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: Objective = TG,
-                   moe: MoeLayout | None = None, depth: int = 0) -> SearchSpace:
+                   moe: MoeLayout | None = None, depth: int = 0, lossy: bool = False) -> SearchSpace:
         prompt = objective_named(objective).needs_prompt and n_prompt > 0
         # Where the batch is not searched it stays at llama.cpp's default, clipped to the most
         # tokens one decode can get: the prompt's, or the depth's, which fill the KV cache with that
@@ -149,7 +150,7 @@ class SearchSpace:
             threads_max=threads,
             batch_choices=powers_of_two(MIN_BATCH, max(top, MIN_BATCH)),
             fa_modes=FLASH_ATTN_MODES if fp.gpu_offload else ("off", "on"),
-            cache_types=CACHE_TYPES,
+            cache_types=CACHE_TYPES if lossy else (),  # they change the outputs: opt-in (issue 20.4)
             threads_batch=prompt,
             cpu_moe_max=cpu_moe,
             op_offload=prompt and fp.gpu_offload,

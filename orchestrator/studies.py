@@ -3,8 +3,8 @@
 A study is one round loop (``StudyRunner._drive``) run over three sources of jobs in turn: the
 baselines (llama-cpp-python's defaults and llama.cpp's own, so the gain over each is known), the
 search (a first design of full offload, llama.cpp's defaults inside the space and the warm-start
-configurations, then the sampler's proposals) and the confirmation (the top configurations and
-both baselines measured again). Every round of the loop is the same four steps,
+configurations, then the sampler's proposals) and the confirmation (the top configurations, both
+baselines and an A/A arm in interleaved rounds on one node, ``ConfirmRounds``, issue 20.2). Every round of the loop is the same four steps,
 in one place:
 
     propose   (the source gives as many jobs as the chip has idle nodes)
@@ -74,6 +74,22 @@ NO_NODE_GRACE_S = 30.0
 MAX_NODE_LOSSES = 3  # a configuration lost with this many nodes is failed, not measured again
 DEFAULT_TRIALS = 30
 ORPHANED = "orphaned: the driver stopped"
+# issue 20.2: the interleaved confirmation runs at least CONFIRM_MIN_ROUNDS rounds and stops when the
+# winner's ratio over each baseline is known to within +-CONFIRM_HALF_WIDTH (log scale, ~ +-2.5 %),
+# or after its budget of rounds (StudyConfig.confirm_rounds)
+CONFIRM_MIN_ROUNDS = 3
+CONFIRM_MAX_ROUNDS = 8
+CONFIRM_HALF_WIDTH = 0.025
+# issue 20.6: a proposal of a configuration that failed before is told a penalised value, not run;
+# a sampler that proposes only such configurations this many times in a row ends the search
+MAX_FAILED_PROPOSALS = 25
+PENALISED = "penalised"  # the Optuna user attribute of a trial told a penalised value
+REPEAT_OF = "repeat_of"  # the Optuna user attribute of a trial llama.cpp ran as an earlier one
+
+
+def failure_budget(budget: int) -> int:
+    """Failed search trials a study accepts before it pauses (issue 20.6): the budget, at least 5."""
+    return max(5, budget)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)
@@ -122,6 +138,8 @@ class StudyConfig:
     confirm_top: int = 3
     warm_start: tuple[BenchParams, ...] = ()  # measured first, before the sampler proposes
     reps: int | None = None  # overrides workload.reps when given
+    allow_lossy: bool = False  # issue 20.4: search the K/V cache types (they change the outputs)
+    confirm_rounds: int = CONFIRM_MAX_ROUNDS  # issue 20.2: the confirmation's budget of rounds
 
     def __post_init__(self) -> None:
         if isinstance(self.objective, str) and self.objective in OBJECTIVES:
@@ -144,6 +162,8 @@ class StudyConfig:
         _finite_positive("--cooldown", self.cooldown_s, zero_ok=True)
         if self.confirm_top < 0:
             raise BadInput(f"--confirm-top {self.confirm_top}: must be >= 0")
+        if not isinstance(self.confirm_rounds, int) or self.confirm_rounds < CONFIRM_MIN_ROUNDS:
+            raise BadInput(f"--confirm-rounds {self.confirm_rounds}: must be >= {CONFIRM_MIN_ROUNDS}")
         if self.workload.reps < 1:
             raise BadInput(f"--reps {self.workload.reps}: must be >= 1")
         obj.check_workload(self.workload.n_prompt, self.workload.n_gen)
@@ -217,6 +237,8 @@ class Job:
     losses: int = 0
     row_id: int | None = None
     settled: bool = False
+    arm: str | None = None  # the interleaved confirmation's arm and round (issue 20.2)
+    round: int | None = None
 
 
 class JobSource(Protocol):
@@ -297,12 +319,18 @@ class SamplerJobs:
 
     phase = "search"
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, budget: int) -> None:
+    def __init__(self, study: optuna.Study, space: SearchSpace, budget: int,
+                 failed: set[str] | None = None, seen: dict[str, int] | None = None) -> None:
         self.study, self.space, self.total = study, space, budget
         # counted once here, then kept up to date locally: re-reading the study every round costs
         # the head a database read per trial, which a large fleet of short trials notices
         trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-        self._done = sum(t.state == TrialState.COMPLETE for t in trials)
+        self._done = sum(t.state == TrialState.COMPLETE and PENALISED not in t.user_attrs for t in trials)
+        self.maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        values = [t.value for t in trials if t.state == TrialState.COMPLETE and PENALISED not in t.user_attrs]
+        self.worst = (min if self.maximize else max)(values) if values else None
+        self.failed = set(failed or ())  # configurations (as asked for) that failed: never run again
+        self.seen = dict(seen or {})  # identities measured (issue 20.1) -> the first Optuna trial number
         self._failed = 0  # failures of configurations (not lost nodes, not pauses) in this run
         self.running = 0
         self.proposals: list[Job] = []  # asked ahead, for the next nodes to finish
@@ -317,19 +345,42 @@ class SamplerJobs:
         if expect is not None:
             expect(count)
 
-    def _propose(self) -> Job:
-        trial = self.study.ask()
-        params = self.space.suggest(trial)
-        return Job("search", params, trial=trial, losses=self.losses.get(learn.config_key(params), 0))
+    def penalty(self) -> float:
+        """The value a failed configuration is told (issue 20.6): half the worst measured rate, or
+        twice the worst time; every sampler (GP included) learns to avoid it from a value."""
+        if self.worst is None:
+            return 0.0 if self.maximize else 1e9
+        return self.worst * 0.5 if self.maximize else self.worst * 2
+
+    def _propose(self) -> Job | None:
+        """The sampler's next configuration that has not failed before (issue 20.6); one it proposes
+        again is told the penalised value at once, never dispatched. None: it proposes nothing else."""
+        for _ in range(MAX_FAILED_PROPOSALS):
+            trial = self.study.ask()
+            params = self.space.suggest(trial)
+            key = learn.config_key(params)
+            if key not in self.failed:
+                return Job("search", params, trial=trial, losses=self.losses.get(key, 0))
+            trial.set_user_attr(PENALISED, "failed before")
+            self.study.tell(trial, self.penalty())
+        log.warning("the %s sampler proposed only configurations that failed before (%d in a row); "
+                    "the search ends with %d trials", type(self.study.sampler).__name__, MAX_FAILED_PROPOSALS,
+                    self._done)
+        self.total = self._done + self.running + len(self.proposals)
+        return None
 
     def take(self, n: int) -> list[Job]:
-        if self._failed >= max(5, self.total):
-            raise StudyPaused(f"{self._failed} trials failed; see `fleettune results --state failed`")
+        if self._failed >= failure_budget(self.total):
+            raise StudyPaused(f"{self._failed} trials failed (the failure budget is {failure_budget(self.total)}); "
+                              f"see `fleettune results --state failed`")
         batch, self.proposals = self.proposals[:n], self.proposals[n:]
         self.running += len(batch)
         self._expect(min(n - len(batch), self.room()))
         while len(batch) < n and self.room() > 0:
-            batch.append(self._propose())
+            job = self._propose()
+            if job is None:
+                break
+            batch.append(job)
             self.running += 1
         return batch
 
@@ -339,25 +390,43 @@ class SamplerJobs:
         if len(self.proposals) >= min(AHEAD_MAX, running // AHEAD_EVERY) or self.room() <= 0:
             return False
         self._expect(1)  # one at a time: a result may arrive before the next, and stop them
-        self.proposals.append(self._propose())
+        job = self._propose()
+        if job is None:
+            return False
+        self.proposals.append(job)
         return True
 
     def settle(self, job: Job, finished: repo.FinishedTrial) -> None:
         self.running -= 1
         job.settled = True
         if finished.objective_value is None:
-            self.study.tell(job.trial, state=TrialState.FAIL)
             kind = finished.result.kind
-            if kind is FailureKind.NODE_LOST:
-                key = learn.config_key(job.params)
-                self.losses[key] = job.losses + 1
-                if job.losses + 1 < MAX_NODE_LOSSES:  # measured again, on another node
-                    self.study.enqueue_trial(self.space.optuna_params(job.params))
-                    return
-            if kind is not FailureKind.INTERRUPTED:
-                self._failed += 1
+            key = learn.config_key(job.params)
+            if kind in (FailureKind.NODE_LOST, FailureKind.INTERRUPTED):  # nothing said of the configuration
+                self.study.tell(job.trial, state=TrialState.FAIL)
+                if kind is FailureKind.NODE_LOST:
+                    self.losses[key] = job.losses + 1
+                    if job.losses + 1 < MAX_NODE_LOSSES:  # measured again, on another node
+                        self.study.enqueue_trial(self.space.optuna_params(job.params))
+                        return
+                    self.failed.add(key)
+                    self._failed += 1
+                return
+            # the configuration's own failure: remembered, and told as a penalised value (issue 20.6)
+            self.failed.add(key)
+            job.trial.set_user_attr(PENALISED, kind.value if kind else "failed")
+            self.study.tell(job.trial, self.penalty())
+            self._failed += 1
         else:
-            self.study.tell(job.trial, finished.objective_value)
+            effective = finished.result.effective
+            if effective is not None:  # the sampler is told a repeat of what llama.cpp ran (issue 20.1)
+                first = self.seen.setdefault(learn.identity(job.params, effective), job.trial.number)
+                if first != job.trial.number:
+                    job.trial.set_user_attr(REPEAT_OF, first)
+            value = finished.objective_value
+            if self.worst is None or (value < self.worst if self.maximize else value > self.worst):
+                self.worst = value
+            self.study.tell(job.trial, value)
             self._done += 1
 
     def abandon(self, job: Job) -> None:
@@ -376,6 +445,111 @@ class SamplerJobs:
 
     def failed_count(self) -> int:
         return self._failed
+
+
+class ConfirmRounds:
+    """The interleaved confirmation (issue 20.2): the candidates, both baselines and llama.cpp's
+    defaults once more (the A/A arm: the machine's own noise) measured one at a time on one node,
+    after a warm-up, in rounds whose order rotates (A B C, B C A, C A B, ...) so that drift over time
+    and the position in a round touch every arm alike. Rounds go on until the winner's ratio over
+    each baseline is narrow enough (``CONFIRM_HALF_WIDTH``) after ``CONFIRM_MIN_ROUNDS``, or until
+    ``max_rounds``. A job lost with its node runs again on another node."""
+
+    phase = "confirm"
+
+    def __init__(self, arms: list[tuple[str, BenchParams]], node: str | None, alive: Callable[[], list[str]],
+                 rate: Callable[[TrialResult], float | None], max_rounds: int, first_round: int = 1,
+                 values: dict[int, dict[str, float | None]] | None = None) -> None:
+        self.arms, self.node, self.alive, self.rate = arms, node, alive, rate
+        self.max_rounds = max_rounds
+        self.values: dict[int, dict[str, float | None]] = dict(values or {})  # round -> arm -> rate
+        self.round = first_round - 1
+        self.first_round = first_round
+        self.queue: list[tuple[str, BenchParams, int]] = [(learn.WARMUP_ARM, arms[0][1], first_round - 1)] if arms else []
+        self.running = False
+        self.total = 1 + len(arms) * max(max_rounds - len(self.values), 0)
+        self._done = self._failed = 0
+
+    def _narrow(self) -> bool:
+        """Whether the winner-to-be's ratio over each baseline is known closely enough."""
+        from orchestrator.pairedstats import ratio_interval
+
+        order = sorted(self.values)
+
+        def interval(a: str, b: str):
+            return ratio_interval([self.values[i].get(a) for i in order], [self.values[i].get(b) for i in order])
+
+        names = [name for name, _ in self.arms]
+        candidates = [n for n in names if n.startswith(learn.CANDIDATE)]
+        baselines = [n for n in (learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP) if n in names]
+        if not candidates:
+            pairs = [(learn.NOISE_ARM, learn.LLAMA_CPP)] if learn.NOISE_ARM in names else []
+        else:
+            best = max(candidates, key=lambda a: _finite_or(interval(a, learn.LLAMA_CPP).ratio))
+            pairs = [(best, b) for b in baselines]
+        return all(interval(a, b).half_width <= CONFIRM_HALF_WIDTH for a, b in pairs)
+
+    def _next(self) -> tuple[str, BenchParams, int] | None:
+        if self.queue:
+            return self.queue.pop(0)
+        done_rounds = len(self.values)
+        if done_rounds >= self.max_rounds or (done_rounds >= CONFIRM_MIN_ROUNDS and self._narrow()):
+            return None
+        self.round += 1
+        shift = (self.round % learn.ROUND_GENERATION - 1) % len(self.arms)
+        self.queue = [(name, params, self.round) for name, params in self.arms[shift:] + self.arms[:shift]]
+        self.values.setdefault(self.round, {})
+        return self.queue.pop(0)
+
+    def take(self, n: int) -> list[Job]:
+        if self.running or n <= 0 or not self.arms:
+            return []
+        item = self._next()
+        if item is None:
+            return []
+        alive = sorted(self.alive())
+        if self.node not in alive and alive:  # the node is gone: the rounds go on on another one
+            self.node = alive[0]
+        name, params, round_ = item
+        self.running = True
+        return [Job(self.phase, params, self.node, arm=name, round=round_)]
+
+    def ahead(self, running: int) -> bool:
+        return False
+
+    def settle(self, job: Job, finished: repo.FinishedTrial) -> None:
+        job.settled = True
+        self.running = False
+        if finished.result.kind is FailureKind.NODE_LOST and job.losses + 1 < MAX_NODE_LOSSES:
+            self.queue.insert(0, (job.arm or "", job.params, job.round or 0))
+            return
+        if job.arm == learn.WARMUP_ARM:
+            return
+        value = self.rate(finished.result) if finished.objective_value is not None else None
+        self.values.setdefault(job.round or 0, {})[job.arm or ""] = value
+        if value is None:
+            self._failed += 1
+        else:
+            self._done += 1
+
+    def abandon(self, job: Job) -> None:
+        job.settled = True
+        self.running = False
+
+    def release(self) -> list[Job]:
+        return []
+
+    def done_count(self) -> int:
+        return self._done
+
+    def failed_count(self) -> int:
+        return self._failed
+
+
+def _finite_or(value: float, default: float = -float("inf")) -> float:
+    import math
+
+    return value if math.isfinite(value) else default
 
 
 # ---------------------------------------------------------------- the runner
@@ -430,7 +604,7 @@ class StudyRunner:
         for params in self.baselines.values():
             validate_params(params, fp, cfg.model)
         space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
-                                       moe_layout(cfg.model), depth=cfg.workload.depth)
+                                       moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy)
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
@@ -593,10 +767,10 @@ class StudyRunner:
             missing = [(p, None) for p in self.baselines.values() if learn.config_key(p) not in measured]
             if missing:  # a study resumed from before the second baseline measures it now
                 self._drive(FixedJobs("baseline", missing, self.alive_nodes))
-            self._drive(SamplerJobs(self.optuna_study, self.space, self.budget))
-            confirm = self._confirm_jobs()
-            if confirm:
-                self._drive(FixedJobs("confirm", confirm, self.alive_nodes))
+            self._drive(SamplerJobs(self.optuna_study, self.space, self.budget, *self._search_memory()))
+            confirm = self._confirm_rounds()
+            if confirm is not None:
+                self._drive(confirm)
             draft, version = self._recommend()
             self._finish()
         except KeyboardInterrupt:
@@ -674,6 +848,7 @@ class StudyRunner:
             timeout_s=self.cfg.timeout_s,
             cooldown_s=self.cfg.cooldown_s,
             trial_key=f"{job.phase}-{job.row_id}",
+            measure_kl=bool(self.space.cache_types),  # lossy knobs searched: their cost too (issue 20.4)
         )
 
     def _finished(self, job: Job, result: TrialResult) -> repo.FinishedTrial:
@@ -696,7 +871,8 @@ class StudyRunner:
         was told and asked since the last one. Gives each job its row id."""
         if not finished and not jobs and not self.storage.pending():
             return
-        new = [repo.NewTrial(j.phase, j.params.to_dict(), j.trial.number if j.trial else None) for j in jobs]
+        new = [repo.NewTrial(j.phase, j.params.to_dict(), j.trial.number if j.trial else None, j.round, j.arm)
+               for j in jobs]
 
         def work(s):
             repo.finish_trials(s, finished)
@@ -810,30 +986,89 @@ class StudyRunner:
                       if r.state == "complete" and r.objective_value is not None}
             return trial_records(rows), values
 
-    def _confirm_jobs(self) -> list[tuple[BenchParams, str | None]]:
-        """The top configurations and the baseline, to measure again in one round.
+    def _search_memory(self) -> tuple[set[str], dict[str, int]]:
+        """What the search remembers from the stored trials: configurations that failed on their own
+        (issue 20.6; not a lost node, an interruption or an orphan) and the identities measured
+        (issue 20.1), each with its first Optuna trial."""
+        failed, seen = set(), {}
+        own = {k.value for k in FailureKind} - {FailureKind.NODE_LOST.value, FailureKind.INTERRUPTED.value}
+        for r in self._phase_trials("search"):
+            if r.state == "failed" and r.failure_kind in own:
+                failed.add(learn.config_key(BenchParams.from_dict(r.params)))
+            elif r.state == "complete" and r.effective and r.optuna_number is not None:
+                seen.setdefault(learn.identity(BenchParams.from_dict(r.params), r.effective), r.optuna_number)
+        return failed, seen
 
-        Where the chip has two or more nodes, every configuration is confirmed on two different
-        nodes (pairs rotating over the chip's nodes), so one node's quirks cannot pick the winner
-        and every node gets compared with a peer on the same configuration.
-        """
+    def _decided(self, params: BenchParams) -> BenchParams:
+        """``params`` with every knob the study did not search at llama.cpp's defaults (issue 20.5):
+        a tg study does not pin batch sizes, a study without lossy knobs keeps the f16 cache."""
+        space, defaults = self.space, self.baselines[learn.LLAMA_CPP]
+        out = params
+        if not space.tune_batch:
+            out = replace(out, n_batch=defaults.n_batch, n_ubatch=defaults.n_ubatch)
+        if not space.threads_batch:
+            out = replace(out, n_threads_batch=None)
+        if not space.cache_types:
+            out = replace(out, type_k="f16", type_v="f16")
+        if not space.op_offload:
+            out = replace(out, op_offload=True)
+        if not space.cpu_moe_max:
+            out = replace(out, n_cpu_moe=0)
+        return out
+
+    def _confirm_arms(self) -> list[tuple[str, BenchParams]]:
+        """The arms of the confirmation: llama.cpp's defaults first, the top configurations of the
+        search (by identity, each with only the knobs the study decided; one that llama.cpp ran as a
+        baseline is that baseline, never its rival), llama-cpp-python's defaults and the A/A arm."""
         records, values = self._records()
         top = learn.top_configs(records, values, self.objective, self.cfg.confirm_top)
-        if not top:
-            return []
-        confirmed = {learn.config_key(BenchParams.from_dict(r.params))
-                     for r in self._phase_trials("confirm", complete_only=True)}
-        nodes = sorted(self.alive_nodes()) or [None]
-        configs, keys = [], set(confirmed)
-        for p in [*top, *self.baselines.values()]:
-            if learn.config_key(p) not in keys:
-                keys.add(learn.config_key(p))
-                configs.append(p)
-        jobs = []
-        for i, params in enumerate(configs):  # pairs rotate so every node is compared with a peer
-            pair = {nodes[i % len(nodes)], nodes[(i + 1) % len(nodes)]}
-            jobs += [(params, node) for node in sorted(pair, key=str)]
-        return jobs
+        identity = {learn.config_key(r.params): r.key for r in records}
+        baseline_ids = {identity.get(learn.config_key(p), learn.config_key(p)) for p in self.baselines.values()}
+        taken = {learn.config_key(p) for p in self.baselines.values()}
+        candidates: list[tuple[str, BenchParams]] = []
+        for params in top:
+            decided = self._decided(params)
+            key = learn.config_key(decided)
+            if identity.get(learn.config_key(params)) in baseline_ids or key in taken:
+                continue
+            taken.add(key)
+            candidates.append((f"{learn.CANDIDATE}{len(candidates) + 1}", decided))
+        defaults = self.baselines[learn.LLAMA_CPP]
+        return [(learn.LLAMA_CPP, defaults), *candidates, (learn.LLAMA_CPP_PYTHON, self.baseline),
+                (learn.NOISE_ARM, defaults)]
+
+    def _confirm_rounds(self) -> ConfirmRounds | None:
+        """The confirmation's source. A study resumed during its confirmation keeps its arms and
+        the rounds it measured; one whose search went on after it confirms afresh, in the next
+        generation of round numbers (``learn.ROUND_GENERATION``), the claims resting on that one."""
+        rows = [r for r in self._phase_trials("confirm") if r.confirm_arm and r.confirm_arm != learn.WARMUP_ARM]
+        if rows and any(r.id > rows[-1].id for r in self._phase_trials("search")):
+            generation, rows = max(r.confirm_round for r in rows) // learn.ROUND_GENERATION + 1, []
+        elif rows:
+            generation = max(r.confirm_round for r in rows) // learn.ROUND_GENERATION
+            rows = [r for r in rows if r.confirm_round // learn.ROUND_GENERATION == generation]
+        else:
+            generation = 0
+        w = self.workload
+
+        def rate(result: TrialResult) -> float | None:
+            pp, tg = result.pp, result.tg
+            return self.objective.rate(pp.median if pp else None, tg.median if tg else None, w.n_prompt, w.n_gen)
+
+        values: dict[int, dict[str, float | None]] = {}
+        if rows:
+            arms = list({r.confirm_arm: BenchParams.from_dict(r.params) for r in rows}.items())
+            for r in rows:
+                if r.state == "complete":
+                    samples = [learn.Sample(x.kind, x.rep, x.n_tokens, x.seconds) for x in r.samples]
+                    values.setdefault(r.confirm_round, {})[r.confirm_arm] = learn.trial_rate(
+                        samples, self.objective, w.n_prompt, w.n_gen)
+        else:
+            arms = self._confirm_arms()
+        first = max(values, default=generation * learn.ROUND_GENERATION) + 1
+        nodes = sorted(self.alive_nodes())
+        return ConfirmRounds(arms, nodes[0] if nodes else None, self.alive_nodes, rate,
+                             self.cfg.confirm_rounds, first, values)
 
     def _draft(self) -> learn.RecommendationDraft | None:
         records, _ = self._records()

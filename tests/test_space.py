@@ -33,7 +33,8 @@ def test_an_apple_bin_offloads_every_layer_and_threads_up_to_its_performance_cor
     assert space.threads_max == 16  # an E-core thread paces every step
     assert space.batch_choices == (32, 64, 128, 256, 512)  # up to the prompt, never beyond
     assert SearchSpace.for_target(chip, MODEL, n_prompt=100_000).batch_choices[-1] == 4096
-    assert space.fa_modes == ("off", "on", "auto") and space.cache_types == ("f16", "q8_0", "q4_0")
+    assert space.fa_modes == ("off", "on", "auto") and space.cache_types == ()  # lossy: opt-in (issue 20.4)
+    assert SearchSpace.for_target(chip, MODEL, 512, lossy=True).cache_types == ("f16", "q8_0", "q4_0")
     assert space.cpu_moe_max == 0 and not space.op_offload  # dense; tg: a token is a batch of one
 
 
@@ -51,7 +52,8 @@ def test_a_cpu_only_node_searches_no_gpu_layers(tmp_path):
 
 @pytest.mark.parametrize("objective", ["tg", "pp", "e2e"])
 def test_optuna_proposals_stay_inside_and_round_trip_through_optuna_params(objective):
-    space = SearchSpace.for_target(simulated.parse_chip("M1 Pro/16"), MODEL, n_prompt=256, objective=objective)
+    space = SearchSpace.for_target(simulated.parse_chip("M1 Pro/16"), MODEL, n_prompt=256, objective=objective,
+                                   lossy=True)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     seen_v, seen_tb = set(), set()
     for _ in range(80):
@@ -74,7 +76,8 @@ def test_optuna_proposals_stay_inside_and_round_trip_through_optuna_params(objec
 
 
 def test_the_size_counts_each_dimension_with_its_condition():
-    space = SearchSpace.for_target(simulated.parse_chip("M1 Pro/16"), MODEL, n_prompt=256, objective="pp")
+    space = SearchSpace.for_target(simulated.parse_chip("M1 Pro/16"), MODEL, n_prompt=256, objective="pp",
+                                   lossy=True)
     kv = 2 * 3 + 3 * 3  # off/auto: K only; on: K x V
     assert space.op_offload  # a GPU backend, an objective with a prompt
     assert space.size() == ((space.ngl_max + 1) * space.threads_max * len(space.batch_choices) ** 2
@@ -132,7 +135,7 @@ def test_llama_cpp_defaults_offload_everything_on_the_performance_cores():
 
 
 def test_clip_brings_a_configuration_learnt_elsewhere_inside():
-    space = SearchSpace.for_target(simulated.parse_chip("M1/8/16"), MODEL, n_prompt=512)  # 4 P + 4 E
+    space = SearchSpace.for_target(simulated.parse_chip("M1/8/16"), MODEL, n_prompt=512, lossy=True)  # 4 P + 4 E
     clipped = space.clip(BenchParams(n_gpu_layers=99, n_threads=24, n_batch=3000, n_ubatch=1000,
                                      n_threads_batch=24, type_v="q8_0", flash_attn="on"))
     # tg: llama.cpp's batch defaults clipped to the prompt; the threads to the 4 P-cores
@@ -165,7 +168,7 @@ def test_the_grid_spans_each_axis_within_its_bounds():
 
 
 def test_the_compact_cache_guess_is_flash_attention_on_with_the_smallest_types():
-    space = SearchSpace.for_target(simulated.parse_chip("M2 Max/38"), MODEL, 512)
+    space = SearchSpace.for_target(simulated.parse_chip("M2 Max/38"), MODEL, 512, lossy=True)
     guess = compact_cache(BenchParams(33, 8, 512, 512, flash_attn="auto"), space)
     assert (guess.flash_attn, guess.type_k, guess.type_v) == ("on", "q4_0", "q4_0")
     assert guess.kv_problem is None and space.clip(guess) == guess

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from workers import knobs
 from workers.hardware import Fingerprint
-from workers.knobs import check_on_node
+from workers.knobs import GGML_TYPES, check_on_node
 from workers.models import ModelInfo
 from workers.trial import (
     BenchParams,
@@ -125,10 +125,47 @@ class _Llama:
 
         self.lib = llama_cpp
         self._pools: list[int] = []  # the current context's threadpools
-        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
-        if not os.environ.get("FLEETTUNE_LLAMA_LOG"):
-            llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
+        self.log: list[str] = []  # llama.cpp's log lines: what it resolved (issue 20.1) is read here
+        echo = bool(os.environ.get("FLEETTUNE_LLAMA_LOG"))
+
+        def keep(level, text, data) -> None:
+            line = text.decode(errors="replace") if text else ""
+            self.log.append(line)
+            if echo:
+                sys.stderr.write(line)
+
+        self._capture = llama_cpp.llama_log_callback(keep)
+        llama_cpp.llama_log_set(self._capture, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
+
+    def effective(self, ctx, params: BenchParams, load_log: str, context_log: str) -> dict:
+        """What llama.cpp ran (issue 20.1): threads and batch sizes from its getters (the batch
+        clipped to the context, the ubatch to the batch); flash attention ``auto`` as llama.cpp
+        resolved it, the GPU layers after clipping and the K/V types from its own log lines (no
+        getter exists in llama.h). Op offload is llama.cpp's default where no GPU device exists
+        (there is nothing to offload to). A value llama.cpp did not state stays as requested."""
+        lib = self.lib
+        gpu = bool(lib.llama_supports_gpu_offload())
+        flash = params.flash_attn
+        if flash == "auto":
+            if re.search(r"Flash Attention enabled|enabling flash_attn", context_log):
+                flash = "on"
+            elif re.search(r"Flash Attention not supported|forcing off", context_log):
+                flash = "off"
+        offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", load_log)
+        ngl = int(offloaded.group(1)) if offloaded else (params.n_gpu_layers if gpu else 0)
+        types = re.search(r"K \((\w+)\):.*V \((\w+)\):", context_log)
+        type_k, type_v = (types.group(1), types.group(2)) if types else (params.type_k, params.type_v)
+        threads, threads_batch = int(lib.llama_n_threads(ctx)), int(lib.llama_n_threads_batch(ctx))
+        return BenchParams(
+            n_gpu_layers=ngl, n_threads=threads,
+            n_threads_batch=None if threads_batch == threads else threads_batch,
+            n_batch=int(lib.llama_n_batch(ctx)), n_ubatch=int(lib.llama_n_ubatch(ctx)), flash_attn=flash,
+            type_k=type_k if type_k in GGML_TYPES else params.type_k,
+            type_v=type_v if type_v in GGML_TYPES else params.type_v,
+            n_cpu_moe=params.n_cpu_moe if ngl > 0 else 0,
+            op_offload=params.op_offload if gpu else True,
+        ).to_dict()
 
     def load(self, path: str, params: BenchParams):
         lib = self.lib
@@ -234,6 +271,8 @@ def _run_child(spec: TrialSpec) -> TrialResult:
     t0 = time.perf_counter()  # from here on: llama.cpp load + decode (measure_s)
     model = llama.load(spec.model_path, params)
     load_s = time.perf_counter() - t0
+    load_log = "".join(llama.log)
+    effective: dict | None = None
     vocab = lib.llama_model_get_vocab(model)
     n_vocab = lib.llama_vocab_n_tokens(vocab)
     bos = lib.llama_vocab_bos(vocab)
@@ -283,8 +322,11 @@ def _run_child(spec: TrialSpec) -> TrialResult:
         if n_tokens <= 0:
             continue
         t_ctx = time.perf_counter()
+        log_from = len(llama.log)
         ctx = llama.context(model, params, depth + n_tokens)  # as llama-bench: one context per test
         load_s += time.perf_counter() - t_ctx
+        if effective is None:  # the first test's context: the prompt's, where batch sizes matter
+            effective = llama.effective(ctx, params, load_log, "".join(llama.log[log_from:]))
         memory = lib.llama_get_memory(ctx)
         if workload.warmup:
             lib.llama_memory_clear(memory, True)
@@ -302,6 +344,7 @@ def _run_child(spec: TrialSpec) -> TrialResult:
                 raise RuntimeError(f"the KV cache holds {held} tokens after {kind}, not {depth}+{n_tokens}")
         llama.free(ctx)
     measure_s = time.perf_counter() - t0
+    kl = kl_divergence(llama, model, params) if spec.measure_kl and lossy(params) else None
     lib.llama_model_free(model)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = rss if platform.system() == "Darwin" else rss * 1024
@@ -317,7 +360,68 @@ def _run_child(spec: TrialSpec) -> TrialResult:
         finished_at=time.time(),
         measure_s=measure_s,
         backend_info=llama_build_info(),
+        effective=effective,
+        kl_divergence=kl,
     )
+
+
+def lossy(params: BenchParams) -> bool:
+    """Whether a configuration changes the model's outputs (issue 20.4): a quantized K or V cache."""
+    return params.type_k != "f16" or params.type_v != "f16"
+
+
+# A fixed text for the KL divergence (issue 20.4), the same in every measurement.
+KL_TEXT = (
+    "The river rose slowly through the night, and by morning the lower fields were under water. "
+    "The farmers moved their animals to the hill behind the church, where the ground was dry and the "
+    "grass was still green. Nobody in the village could remember a flood like it: the old miller said "
+    "his father had spoken of one, sixty years before, when the bridge was carried away and the road "
+    "to the town was closed for a month. By noon the rain had stopped, the sky cleared from the west, "
+    "and the children went down to the edge of the water to watch the branches and the broken fences "
+    "drift past. In the evening the first boats came up from the town with bread, lamp oil and news."
+)
+
+
+def kl_divergence(llama: _Llama, model, params: BenchParams) -> float:
+    """Mean KL divergence of the next-token distributions of ``params``' KV cache against the f16
+    cache on ``KL_TEXT``, as ``llama-perplexity --kl-divergence`` computes it: every token's logits
+    from one decode of the whole text, KL(f16 || tested) over the second half of the tokens (the
+    first half is context). Both contexts share every other setting of ``params``."""
+    import numpy as np
+
+    lib = llama.lib
+    vocab = lib.llama_model_get_vocab(model)
+    text = KL_TEXT.encode()
+    buf = (lib.llama_token * (len(text) + 8))()
+    n = lib.llama_tokenize(vocab, text, len(text), buf, len(buf), True, False)
+    if n < 8:
+        raise RuntimeError(f"the KL text tokenized to {n} tokens")
+    n_vocab = lib.llama_vocab_n_tokens(vocab)
+
+    def log_probs(config: BenchParams):
+        ctx = llama.context(model, dataclasses.replace(config, n_batch=n, n_ubatch=min(config.n_ubatch, n)), n)
+        try:
+            batch = lib.llama_batch_init(n, 0, 1)
+            try:
+                for i in range(n):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = buf[i], i, 1
+                    batch.seq_id[i][0], batch.logits[i] = 0, True
+                batch.n_tokens = n
+                status = lib.llama_decode(ctx, batch)
+                if status != 0:
+                    raise RuntimeError(f"llama_decode returned {status} (KL divergence)")
+                rows = np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+                                 for i in range(n // 2, n)]).astype(np.float64)
+            finally:
+                lib.llama_batch_free(batch)
+        finally:
+            llama.free(ctx)
+        rows -= rows.max(axis=1, keepdims=True)
+        return rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+
+    base = log_probs(dataclasses.replace(params, type_k="f16", type_v="f16"))
+    tested = log_probs(params)
+    return float(np.mean(np.sum(np.exp(base) * (base - tested), axis=1)))
 
 
 def llama_build_info() -> str:
@@ -340,6 +444,7 @@ def _spec_from_json(text: str) -> TrialSpec:
         timeout_s=data["timeout_s"],
         cooldown_s=data["cooldown_s"],
         trial_key=data["trial_key"],
+        measure_kl=data.get("measure_kl", False),
     )
 
 

@@ -410,6 +410,19 @@ def _flash(params: BenchParams, shape: ModelInfo, on_gpu: bool) -> str:
     return fa
 
 
+def effective_params(params: BenchParams, shape: ModelInfo, workload: Workload) -> dict:
+    """The configuration the simulated llama.cpp runs (issue 20.1), resolved as llama.cpp does it:
+    flash attention ``auto`` by where the layers run, GPU layers clipped to n_layer + 1, the batch
+    clipped to the first test's context (depth + its tokens), the ubatch to the batch."""
+    ngl = max(0, min(params.n_gpu_layers, shape.n_layer + 1))
+    flash = _flash(params, shape, ngl > 0)
+    n_ctx = workload.depth + (workload.n_prompt if workload.n_prompt > 0 else workload.n_gen)
+    batch = min(params.n_batch, max(n_ctx, 1))
+    return replace(params, n_gpu_layers=ngl, flash_attn="on" if flash == "cpu" else flash, n_batch=batch,
+                   n_ubatch=min(params.n_ubatch, batch),
+                   n_cpu_moe=params.n_cpu_moe if ngl > 0 else 0).to_dict()
+
+
 def predict(
     chip: Fingerprint, shape: ModelInfo, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
     scenario: str = "calibrated", depth: int = 0, dims: DimConstants | None = None,
@@ -636,8 +649,17 @@ class SimulatedNode:
             peak_rss_bytes=int(pred.gpu_bytes), thermal_before="nominal",
             thermal_after="fair" if throttle < 1 else "nominal", started_at=started,
             finished_at=time.time(), measure_s=sim_seconds, simulated=True,
-            backend_info=self.backend_info(),
+            backend_info=self.backend_info(), effective=effective_params(spec.params, shape, w),
+            kl_divergence=simulated_kl(spec.params) if spec.measure_kl else None,
         )
+
+
+def simulated_kl(params: BenchParams) -> float | None:
+    """A stand-in KL divergence of a quantized KV cache (issue 20.4; the simulator has no logits):
+    the orders of magnitude llama-perplexity reports for 7B models (q8_0 ~0.001, q4_0 ~0.02 per cache)."""
+    cost = {"f16": 0.0, "q8_0": 0.001, "q4_0": 0.02}
+    total = cost[params.type_k] + cost[params.type_v]
+    return total or None
 
 
 def with_memory(chip: Fingerprint, memory_gb: float) -> Fingerprint:

@@ -151,6 +151,7 @@ class TrialSpec:
     timeout_s: float = 600.0
     cooldown_s: float = 0.0
     trial_key: str = ""  # opaque id the orchestrator uses to match the result
+    measure_kl: bool = False  # issue 20.4: also measure the KL divergence of a quantized KV cache
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,11 @@ class TrialResult:
     simulated: bool = False
     backend_info: str | None = None
     failure_kind: str | None = None  # a FailureKind value (a plain string: it crosses as JSON)
+    # issue 20.1: the configuration llama.cpp actually ran (flash attention resolved, batch sizes and
+    # GPU layers after clipping), read back from llama.cpp, in BenchParams.to_dict form
+    effective: dict | None = None
+    # issue 20.4: mean KL divergence of the next-token distributions against the f16 KV cache
+    kl_divergence: float | None = None
 
     @property
     def kind(self) -> FailureKind | None:

@@ -159,6 +159,10 @@ class Trial(Base):
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    effective: Mapped[dict | None] = mapped_column(JSON)  # what llama.cpp ran (issue 20.1)
+    confirm_round: Mapped[int | None] = mapped_column(Integer)  # the confirmation's round (issue 20.2)
+    confirm_arm: Mapped[str | None] = mapped_column(String(40))  # its arm: a candidate, a baseline, A/A
+    kl_divergence: Mapped[float | None] = mapped_column(Float)  # against the f16 KV cache (issue 20.4)
     study: Mapped[Study] = relationship()
     node: Mapped[Node | None] = relationship()
     samples: Mapped[list[SampleRow]] = relationship(
@@ -205,6 +209,7 @@ class Recommendation(Base):
     improvement: Mapped[float | None] = mapped_column(Float)
     baselines: Mapped[dict | None] = mapped_column(JSON)  # every baseline measured: name -> its value
     evidence: Mapped[list] = mapped_column(JSON)
+    claims: Mapped[dict | None] = mapped_column(JSON)  # ratios with intervals, A/A noise (issue 20.3)
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     source: Mapped[str] = mapped_column(String(20), default="study")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

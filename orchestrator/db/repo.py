@@ -336,6 +336,8 @@ class NewTrial:
     phase: str
     params: dict
     optuna_number: int | None = None
+    confirm_round: int | None = None  # the interleaved confirmation's round and arm (issue 20.2)
+    confirm_arm: str | None = None
 
 
 @dataclass(frozen=True)
@@ -355,7 +357,8 @@ def start_trials(session: Session, study_id: int, trials: list[NewTrial], *, sim
         return []
     now = utcnow()
     rows = [{"study_id": study_id, "optuna_number": t.optuna_number, "phase": t.phase, "params": t.params,
-             "state": "running", "simulated": simulated, "started_at": now} for t in trials]
+             "state": "running", "simulated": simulated, "started_at": now,
+             "confirm_round": t.confirm_round, "confirm_arm": t.confirm_arm} for t in trials]
     return list(session.scalars(insert(Trial).returning(Trial.id, sort_by_parameter_order=True), rows))
 
 
@@ -377,6 +380,7 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
                "node_id": f.node_id, "objective_value": f.objective_value, "e2e_s": f.e2e_s,
                "load_s": r.load_s, "measure_s": r.measure_s, "peak_rss_bytes": r.peak_rss_bytes,
                "thermal_before": r.thermal_before, "thermal_after": r.thermal_after,
+               "effective": r.effective, "kl_divergence": r.kl_divergence,
                "finished_at": _ts(r.finished_at) or now}
         if r.simulated:
             row["simulated"] = True
@@ -527,7 +531,7 @@ class NewRecommendation:
             "interval_high": d.interval_high, "expected_pp_tps": d.expected_pp_tps,
             "expected_tg_tps": d.expected_tg_tps, "baseline_tps": d.baseline_tps,
             "improvement": d.improvement, "evidence": d.evidence, "simulated": d.simulated,
-            "source": self.source,
+            "source": self.source, "claims": d.claims or None,
         }
 
 
@@ -554,7 +558,7 @@ def _same_recommendation(row: Recommendation, fields: dict) -> bool:
         if isinstance(value, float) and isinstance(stored, float):
             if abs(value - stored) > 1e-9 * max(1.0, abs(stored)):
                 return False
-        elif key in ("params", "evidence", "baselines"):
+        elif key in ("params", "evidence", "baselines", "claims"):
             if json.dumps(stored, sort_keys=True) != json.dumps(value, sort_keys=True):
                 return False
         elif stored != value:
