@@ -28,7 +28,8 @@ Each dimension is searched only where it can change the objective on this target
   nothing to offload to.
 
 - switches (SWITCHES): further knobs searched over all their choices in every trial, where the knob
-  table says they apply (gpu_only: a GPU backend; moe_only: a mixture-of-experts model).
+  table says they apply (gpu_only: a GPU backend; moe_only: a mixture-of-experts model). Today
+  -nkvo (the KV cache kept in host memory: what a model needs that fits the GPU only without it).
 
 Spaces stored by studies created before these dimensions existed have none of the new keys:
 ``from_dict`` gives them the defaults that search exactly what they searched.
@@ -44,7 +45,7 @@ from workers.models import ModelInfo
 from workers.trial import BenchParams
 
 _N = {name: knob.optuna_name for name, knob in _K.items()}  # each knob's Optuna parameter name
-SWITCHES = ()  # knobs searched over all their choices where the knob table says they apply
+SWITCHES = ("no_kv_offload",)  # knobs searched over all their choices where the knob table says they apply
 MIN_BATCH = 32
 MAX_BATCH = 4096
 CACHE_TYPES = ("f16", "q8_0", "q4_0")

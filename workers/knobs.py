@@ -262,6 +262,13 @@ KNOBS: tuple[Knob, ...] = (
          bench_field="no_op_offload", bench_values=((True, 0), (False, 1)), library_field="context.op_offload",
          effective="llama_context_params.op_offload as the context holds it", optuna_name="op_offload",
          gpu_only=True),
+    Knob("no_kv_offload", bool, False, "Keep the KV cache in host memory (llama.cpp's -nkvo).", choices=(False, True),
+         bench_flags=("-nkvo", "--no-kv-offload"), server_flags=("-nkvo", "--no-kv-offload"),
+         senses={"-nkvo": True, "--no-kv-offload": True}, python_kwarg="offload_kqv",
+         python_values=((False, True), (True, False)), server_field="offload_kqv", bench_field="no_kv_offload",
+         library_field="context.offload_kqv", library_values=((False, True), (True, False)),
+         effective="llama_context_params.offload_kqv as the context holds it", optuna_name="no_kv_offload",
+         gpu_only=True),
 )
 
 BY_FIELD: dict[str, Knob] = {k.field: k for k in KNOBS}
