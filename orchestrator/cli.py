@@ -131,11 +131,12 @@ format_option = _reusable("--format", dest="fmt", type=click.Choice(FORMATS), de
 LEGACY_NAMES = {"n_gpu_layers": ("--ngl",), "n_batch": ("--batch",), "n_ubatch": ("--ub",)}  # fleettune's own
 
 
-def knob_options(*fields: str, defaults: dict[str, str] | None = None) -> Callable:
+def knob_options(*fields: str, defaults: dict[str, str] | None = None,
+                 shown_defaults: dict[str, str] | None = None) -> Callable:
     """One click option per knob of workers/knobs.py (its llama.cpp spellings, help and default),
     taken as words and read by the table's one parser: the command gets ``knob_flags``, the given
     ones as llama.cpp flags (llama-bench's ``-nopo 0|1`` form for switches)."""
-    defaults = defaults or {}
+    defaults, shown_defaults = defaults or {}, shown_defaults or {}
 
     def decorate(command: Callable) -> Callable:
         @functools.wraps(command)
@@ -147,7 +148,9 @@ def knob_options(*fields: str, defaults: dict[str, str] | None = None) -> Callab
         for name in reversed(fields):
             knob = knobs.knob(name)
             default = defaults.get(name)
-            shown = default if default is not None else knob.default
+            shown = default if default is not None else shown_defaults.get(name, knob.default)
+            if knob.type is bool:  # in the switch's own sense: -nopo 0 is op offload on
+                shown = int(shown == knob.senses[knob.cli_names[0]])
             with_flags = click.option(
                 *knob.cli_names, *LEGACY_NAMES.get(name, ()), name, default=default,
                 metavar="0|1" if knob.type is bool else "|".join(knob.choices) if knob.choices else "N",
@@ -330,7 +333,7 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@knob_options(*knobs.BY_FIELD, defaults={"n_gpu_layers": "0"})
+@knob_options(*knobs.BY_FIELD, defaults={"n_gpu_layers": "0"}, shown_defaults={"n_threads": "physical cores"})
 @prompt_tokens_option()
 @gen_tokens_option()
 @depth_option()

@@ -28,6 +28,10 @@ Each dimension is searched only where it can change the objective on this target
   only for batches of 32 or more tokens, which a generated token never is). A CPU-only node has
   nothing to offload to.
 
+- switches (SWITCHES): further knobs searched over all their choices in every trial, where the knob
+  table says they apply (gpu_only: a GPU backend; moe_only: a mixture-of-experts model). Today
+  -nkvo (the KV cache kept in host memory: what a model needs that fits the GPU only without it).
+
 Spaces stored by studies created before these dimensions existed have none of the new keys:
 ``from_dict`` gives them the defaults that search exactly what they searched.
 """
@@ -44,7 +48,7 @@ from workers.objective import objective as objective_named
 from workers.trial import BenchParams
 
 _N = {name: knob.optuna_name for name, knob in _K.items()}  # each knob's Optuna parameter name
-SWITCHES = ()  # knobs searched by ``switches``: each on/off where for_target says it changes something
+SWITCHES = ("no_kv_offload",)  # knobs searched over all their choices where the knob table says they apply
 MIN_BATCH = 32
 MAX_BATCH = 4096
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -156,6 +160,8 @@ class SearchSpace:
             op_offload=prompt and fp.gpu_offload,
             tune_batch=prompt,
             threads_log=True,
+            switches=tuple(name for name in SWITCHES if (fp.gpu_offload or not _K[name].gpu_only)
+                           and (moe is not None or not _K[name].moe_only)),
         )
 
     def to_dict(self) -> dict:

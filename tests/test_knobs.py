@@ -116,3 +116,36 @@ def test_every_knob_is_described_once_and_completely():
         assert getattr(BenchParams(), k.field) == k.default
         assert k.type is not bool or set(k.senses) >= {*k.bench_flags, *k.server_flags}
     assert [k.field for k in knobs.KNOBS if k.lossy] == ["type_k", "type_v"]
+
+
+def test_no_kv_offload_is_searched_printed_served_pinned_and_carried_in_llama_bench_files(tmp_path):
+    """The proof of the table: -nkvo was added in one entry (and one BenchParams field)."""
+    import optuna
+
+    from orchestrator import llamabench
+    from orchestrator.rollout import parse_pin
+    from orchestrator.space import SearchSpace
+    from workers import simulated
+    from workers.hardware import fingerprint_from_dir
+
+    model = simulated.sim_model_info("sim://llama2-7b/q4_0")  # 32 layers
+    gpu = SearchSpace.for_target(simulated.parse_chip("M2 Max/38"), model, 512, objective="tg")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    assert {gpu.suggest(study.ask()).no_kv_offload for _ in range(30)} == {False, True}
+    cpuinfo = "".join(f"processor\t: {i}\nmodel name\t: AMD EPYC 9654\ncore id\t: {i}\n\n" for i in range(4))
+    (tmp_path / "cpuinfo.txt").write_text(cpuinfo)
+    assert SearchSpace.for_target(fingerprint_from_dir(tmp_path), model, 512).switches == ()  # no GPU
+
+    params = BenchParams(n_gpu_layers=33, n_threads=4, no_kv_offload=True)
+    assert params.llama_cpp_flags("llama-bench").endswith("-nkvo 1")
+    assert params.llama_cpp_flags("llama-server").endswith("-nkvo")
+    assert params.llama_cpp_python_kwargs()["offload_kqv"] is False
+    assert knobs.server_settings(params)["offload_kqv"] is False
+    assert knobs.library_params(params, "context")["offload_kqv"] is False
+    assert parse_pin("--no-kv-offload -t 2", 32) == {"no_kv_offload": True, "n_threads": 2}
+    record = llamabench.llama_bench_record(
+        params=params, kind="tg", samples=[(16, 0.5), (16, 0.4)], build_commit="x", cpu_info="c", gpu_info="g",
+        backend="metal", model_filename="x.gguf", model_type="llama 8B Q4_0", model_size=1, model_n_params=1,
+        test_time="2026-01-01T00:00:00Z")
+    assert record["no_kv_offload"] is True
+    assert llamabench.parse_record(1, record).params == params

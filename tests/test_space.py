@@ -80,8 +80,9 @@ def test_the_size_counts_each_dimension_with_its_condition():
                                    lossy=True)
     kv = 2 * 3 + 3 * 3  # off/auto: K only; on: K x V
     assert space.op_offload  # a GPU backend, an objective with a prompt
+    assert space.switches == ("no_kv_offload",)  # -nkvo: a GPU backend
     assert space.size() == ((space.ngl_max + 1) * space.threads_max * len(space.batch_choices) ** 2
-                            * kv * space.threads_max * 2)
+                            * kv * space.threads_max * 2 * 2)
 
 
 def test_a_stored_space_of_an_older_study_searches_what_it_searched():

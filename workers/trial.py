@@ -31,6 +31,7 @@ class BenchParams:
     type_v: str = "f16"
     n_cpu_moe: int = 0  # layers whose expert tensors stay on the CPU (MoE models only)
     op_offload: bool = True  # llama.cpp's default; False keeps big prompt batches off the GPU at -ngl 0
+    no_kv_offload: bool = False  # True: the KV cache stays in host memory (-nkvo), for a tight GPU budget
 
     def __post_init__(self) -> None:
         fa = self.flash_attn
