@@ -1,16 +1,16 @@
 """claims (issue 20): a trial's effective configuration, its place in the interleaved confirmation
 and its KL divergence; a recommendation's claims (ratios with intervals, the A/A noise)
 
-Revision ID: 0006_claims
-Revises: 0005_depth
+Revision ID: 0007_claims
+Revises: 0006_rollout_lease
 Create Date: 2026-12-01 11:10:00
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006_claims"
-down_revision = "0005_depth"
+revision = "0007_claims"
+down_revision = "0006_rollout_lease"
 branch_labels = None
 depends_on = None
 
