@@ -142,6 +142,22 @@ def test_concurrent_streamed_and_plain_requests_cut_none(served):
     assert loop.failures == [] and loop.ok == 40 and loop.streams_ok == 20
 
 
+
+def test_config_switches_under_streamed_and_plain_load_cut_no_stream(served, model_path):
+    """A switch retires the old server with SIGTERM: its open streams finish (sse-starlette ended
+    them at once, cutting streamed requests mid-body), and plain requests are served throughout."""
+    _, status = served
+    sha256 = read_model_info(model_path).sha256
+    with RoundRobinLoop([status], max_requests=400, max_s=400, clients=3, streamed=True) as loop:
+        wait_until(lambda: loop.streams_ok >= 2, timeout=120)
+        for version, threads in ((1, 1), (2, 2), (3, 1)):
+            before = loop.ok
+            nodeconfig.write(NODE, payload(sha256, version, threads))
+            wait_until(lambda v=version: (s := serve.read_status(NODE) or {}).get("config_version") == v
+                       and s.get("draining") == 0, timeout=180)
+            wait_until(lambda b=before: loop.ok >= b + 3, timeout=120)  # served by the new config
+    assert loop.failures == [] and loop.streams_ok >= 3
+
 def alive(pid: int) -> bool:
     """Running, not a zombie waiting for a reaper (a container's init may never reap it)."""
     try:

@@ -566,6 +566,7 @@ def child_main(argv: list[str]) -> None:
     # rule 24.2: a request waits for the one being served instead of cutting it off
     # (llama-cpp-python's default interrupts a running request whenever another one arrives)
     app = create_app(server_settings=ServerSettings(interrupt_requests=False), model_settings=[settings])
+    _streams_outlive_sigterm()
     _warm(args.alias)
     sock = socket.socket(fileno=args.fd)
     server = uvicorn.Server(uvicorn.Config(_connection_close(app), log_level="warning",
@@ -580,6 +581,21 @@ def child_main(argv: list[str]) -> None:
 
     threading.Thread(target=tell_ready, daemon=True).start()
     server.run(sockets=[sock])
+
+
+def _streams_outlive_sigterm() -> None:
+    """A retired server finishes the streams it is sending (rule 24.2: no request is cut by a config
+    switch). sse-starlette, which llama-cpp-python streams through, ends every open stream when
+    uvicorn is told to exit; uvicorn's graceful shutdown (``timeout_graceful_shutdown``) already waits
+    for requests in flight, so that drain is turned off here."""
+    from sse_starlette import sse
+
+    if hasattr(sse.AppStatus, "disable_automatic_graceful_drain"):
+        sse.AppStatus.disable_automatic_graceful_drain()
+    elif getattr(sse.AppStatus, "original_handler", None) is not None:  # older sse-starlette: undo its patch
+        import uvicorn
+
+        uvicorn.Server.handle_exit = sse.AppStatus.original_handler
 
 
 def _connection_close(app):
