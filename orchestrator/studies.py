@@ -267,7 +267,24 @@ class JobSource(Protocol):
     def failed_count(self) -> int: ...
 
 
-class FixedJobs:
+class _Counted:
+    """What every job source counts: results that gave a value, and those that failed; by default a
+    source prepares nothing ahead that it would have to release."""
+
+    _done = 0
+    _failed = 0
+
+    def release(self) -> list[Job]:
+        return []
+
+    def done_count(self) -> int:
+        return self._done
+
+    def failed_count(self) -> int:
+        return self._failed
+
+
+class FixedJobs(_Counted):
     """A fixed list of configurations (the baseline, the confirmation). A job lost with its node
     runs again on any node of the chip, at most ``MAX_NODE_LOSSES`` times."""
 
@@ -302,17 +319,8 @@ class FixedJobs:
     def abandon(self, job: Job) -> None:
         job.settled = True
 
-    def release(self) -> list[Job]:
-        return []
 
-    def done_count(self) -> int:
-        return self._done
-
-    def failed_count(self) -> int:
-        return self._failed
-
-
-class SamplerJobs:
+class SamplerJobs(_Counted):
     """The search: trials asked of the Optuna study (queued configurations first), until
     ``budget`` of them complete. A trial lost with its node is failed in Optuna and its
     configuration queued again, at most ``MAX_NODE_LOSSES`` times."""
@@ -440,14 +448,8 @@ class SamplerJobs:
     def release(self) -> list[Job]:
         return list(self.proposals)
 
-    def done_count(self) -> int:
-        return self._done
 
-    def failed_count(self) -> int:
-        return self._failed
-
-
-class ConfirmRounds:
+class ConfirmRounds(_Counted):
     """The interleaved confirmation (issue 20.2): the candidates, both baselines and llama.cpp's
     defaults once more (the A/A arm: the machine's own noise) measured one at a time on one node,
     after a warm-up, in rounds whose order rotates (A B C, B C A, C A B, ...) so that drift over time
@@ -535,15 +537,6 @@ class ConfirmRounds:
     def abandon(self, job: Job) -> None:
         job.settled = True
         self.running = False
-
-    def release(self) -> list[Job]:
-        return []
-
-    def done_count(self) -> int:
-        return self._done
-
-    def failed_count(self) -> int:
-        return self._failed
 
 
 def _finite_or(value: float, default: float = -float("inf")) -> float:

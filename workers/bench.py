@@ -488,13 +488,16 @@ def _watch_parent(pipe_fd: int) -> None:
                      name="fleettune-parent-watch").start()
 
 
-def _exit_on_eof(pipe_fd: int) -> None:
+def _exit_on_eof(pipe_fd: int, before_exit: Callable[[], object] | None = None) -> None:
+    """Wait for the lifeline's end (the parent gone), then ``before_exit`` and exit at once."""
     while True:
         try:
             data = os.read(pipe_fd, 64)
         except OSError:
             data = b""
         if not data:
+            if before_exit is not None:
+                before_exit()
             os._exit(PARENT_GONE_EXIT)  # now, even in the middle of a llama.cpp call
 
 

@@ -651,19 +651,11 @@ def keep_main(argv: list[str]) -> int:
     proc = subprocess.Popen(command, preexec_fn=_die_with_parent(os.getpid()))
     signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
 
-    def on_eof() -> None:
-        while True:
-            try:
-                data = os.read(pipe_fd, 64)
-            except OSError:
-                data = b""
-            if not data:
-                proc.kill()
-                os._exit(PARENT_GONE_EXIT)
-
     import threading
 
-    threading.Thread(target=on_eof, daemon=True).start()
+    from workers.bench import _exit_on_eof
+
+    threading.Thread(target=_exit_on_eof, args=(pipe_fd, proc.kill), daemon=True).start()
     code = proc.wait()
     return 128 - code if code < 0 else code
 
