@@ -5,6 +5,7 @@ a model llama.cpp cannot load given up on after a bounded number of restarts (is
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -106,6 +107,32 @@ def test_config_changes_under_load_drop_no_request_and_a_killed_server_comes_bac
     assert back["restarts"] == 1 and back["config_version"] == 2
     assert proc.poll() is None
 
+
+def test_the_server_process_is_given_the_nodes_config_field_for_field(served, model_path):
+    """Rule 21.1: a served config equals the node's config, K/V cache types included (the server's
+    ModelSettings once left them out, so a recommended q8_0 cache was served as f16)."""
+    from llama_cpp.server.settings import ModelSettings
+
+    from workers import knobs
+    from workers.trial import BenchParams
+
+    _, status = served
+    sha256 = read_model_info(model_path).sha256
+    config = payload(sha256, 1, 1)
+    config["params"].update(flash_attn=True, type_k="q8_0", type_v="q8_0")
+    nodeconfig.write(NODE, config)
+    now = wait_until(lambda: (s := serve.read_status(NODE)) and s["config_version"] == 1 and s["healthy"]
+                     and s["draining"] == 0 and s, timeout=180)
+    argv = Path(f"/proc/{now['pid']}/cmdline").read_bytes().split(b"\0") if sys.platform.startswith("linux") else []
+    if not argv:
+        pytest.skip("reads the server's command line from /proc")
+    given = BenchParams.from_dict(json.loads(argv[argv.index(b"--params") + 1]))
+    assert given == BenchParams.from_dict(config["params"])
+    settings = ModelSettings(model=str(model_path), **knobs.server_settings(given))
+    wanted = {k.server_field: k.to_python(getattr(given, k.field)) for k in knobs.KNOBS
+              if k.server_field and not k.same_as}
+    assert {field: getattr(settings, field) for field in wanted} == wanted
+    assert settings.type_k == settings.type_v == knobs.GGML_TYPES["q8_0"] and settings.flash_attn is True
 
 def test_a_bad_config_file_never_stops_the_supervisor_and_the_server_keeps_its_last_good_config(served,
                                                                                                  model_path):
