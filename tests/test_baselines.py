@@ -154,7 +154,7 @@ def test_tune_searches_the_new_dimensions_on_a_simulated_mac_at_a_depth(sqlite_u
 
     db = open_database(sqlite_url)
     model = simulated.sim_model_info("sim://llama3-8b/q4_k_m")
-    cfg = StudyConfig(model=model, n_trials=16, seed=2, objective="e2e",
+    cfg = StudyConfig(model=model, n_trials=16, seed=2, objective="e2e", allow_lossy=True,
                       workload=Workload(n_prompt=512, n_gen=64, reps=1, depth=4096))
     outcome = tune(db, cfg, chip_key=SIM_CHIPS["M2 Ultra/76"], warm=False)
     tried = _search_params(db, outcome.name)
@@ -174,7 +174,8 @@ def test_tune_searches_the_new_dimensions_on_this_cpu_with_the_real_model(sqlite
     from orchestrator.tune import tune
 
     db = open_database(sqlite_url)
-    cfg = StudyConfig(model=model_info, n_trials=8, seed=1, confirm_top=1, objective="e2e",
+    cfg = StudyConfig(model=model_info, n_trials=8, seed=1, confirm_top=1, objective="e2e", allow_lossy=True,
+                      confirm_rounds=3,
                       workload=Workload(n_prompt=64, n_gen=16, reps=1, depth=128))
     outcome = tune(db, cfg, chip_key=local_fingerprint.chip_key, warm=False)
     tried = _search_params(db, outcome.name)
