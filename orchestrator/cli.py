@@ -927,9 +927,9 @@ VERIFY_COLUMNS = [
     Column("config", "configuration"),
     Column("llama_bench_flags", "llama-bench flags"),
     Column("median_tps", "t/s (median)", ".1f", "right"),
-    Column("claimed", "study claimed", justify="right"),
+    Column("claimed", "study claimed (95 % interval)", justify="right"),
     Column("measured", "llama-bench measured (95 % interval)"),
-    Column("claim_inside", "claim inside"),
+    Column("inside_claim", "llama-bench inside the claim"),
 ]
 
 

@@ -11,6 +11,7 @@ claimed. The measuring is the worker's (``workers.llamatools.measure_with_llama_
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ class VerifyPlan:
     objective: Objective
     workload: Workload
     configs: dict[str, BenchParams]  # recommendation first, then the baselines in the study's order
-    claims: dict[str, float]  # baseline name -> the study's ratio (recommendation over it)
+    claims: dict[str, dict]  # baseline name -> the study's claim: {"ratio", "low", "high"} (recommendation over it)
     simulated: bool = False
 
 
@@ -63,15 +64,21 @@ class VerifyReport:
                    "median_tps": statistics.median(measured) if measured else None, "rounds": len(measured)}
             if name != RECOMMENDATION:
                 interval = self.ratio(name)
-                claimed = self.plan.claims.get(name)
+                claim = self.plan.claims.get(name) or {}
+                claimed, low, high = claim.get("ratio"), claim.get("low"), claim.get("high")
                 row.update({
                     "claimed_ratio": claimed,
-                    "claimed": f"{(claimed - 1) * 100:+.1f} %" if claimed is not None else None,
+                    "claimed_low": low,
+                    "claimed_high": high,
+                    "claimed": claim.get("text") or (f"{(claimed - 1) * 100:+.1f} %" if claimed else None),
                     "measured_ratio": interval.ratio,
                     "low": interval.low,
                     "high": interval.high,
                     "verdict": interval.verdict.value,
                     "measured": interval.describe(),
+                    # rule 20.7: the referee's ratio must lie inside the interval the study claimed
+                    "inside_claim": low <= interval.ratio <= high if low is not None and high is not None
+                    and interval.rounds >= 1 and math.isfinite(interval.ratio) else None,
                     "claim_inside": interval.contains(claimed) if claimed is not None and interval.rounds >= 2
                     else None,
                 })
@@ -110,7 +117,7 @@ def plan(db: Database, study_name: str, reps: int | None = None) -> VerifyPlan:
             params = BenchParams.from_dict(trial.params)
             distinct.setdefault(learn.config_key(params), params)
         baselines = dict(zip((learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP), distinct.values(), strict=False))
-        claims = {name: rec.expected_tps / value for name, value in (rec.baselines or {}).items() if value}
+        claims = _claims(rec)
         if not study.model.path:
             raise BadInput(f"study {study_name!r}'s model has no file path on record")
         return VerifyPlan(
@@ -157,3 +164,17 @@ def verify_study(db: Database, study_name: str, *, rounds: int = DEFAULT_ROUNDS,
         if on_round:
             on_round(number, measured)
     return report
+
+
+def _claims(rec) -> dict[str, dict]:
+    """The study's claim over each baseline: the paired rounds' ratio with its interval (issue 20.3);
+    a recommendation stored before claims had intervals gives its point ratio alone."""
+    claims = rec.claims or {}
+    paired = dict(claims.get("vs") or {})
+    if learn.LLAMA_CPP not in paired and claims.get("winner") == learn.LLAMA_CPP and claims.get("noise"):
+        paired[learn.LLAMA_CPP] = claims["noise"]  # llama.cpp's defaults recommended: 1, within the A/A noise
+    out = {name: {k: paired[name].get(k) for k in ("ratio", "low", "high", "text")} for name in paired}
+    for name, value in (rec.baselines or {}).items():
+        if name not in out and value:
+            out[name] = {"ratio": rec.expected_tps / value, "low": None, "high": None, "text": None}
+    return out

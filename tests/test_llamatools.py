@@ -182,7 +182,13 @@ def test_the_plan_is_the_studys_recommendation_baselines_workload_and_claims(sim
     assert plan.configs[learn.LLAMA_CPP] == run.baselines[learn.LLAMA_CPP]
     assert plan.configs[verify.RECOMMENDATION] == rec.params
     assert plan.workload == Workload(512, 128, 2) and plan.simulated and plan.objective.name == "tg"
-    assert plan.claims[learn.LLAMA_CPP] == pytest.approx(rec.expected_tps / rec.baselines[learn.LLAMA_CPP])
+    claims = rec.claims
+    for name in (learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP):
+        # the study's paired claim; where llama.cpp's defaults won, the claim over them is the A/A noise
+        stored = claims["vs"].get(name) or (claims["winner"] == name and claims["noise"])
+        assert stored, name
+        assert [plan.claims[name][k] for k in ("ratio", "low", "high")] == pytest.approx(
+            [stored[k] for k in ("ratio", "low", "high")])
 
 
 def test_verify_refuses_with_one_line(simulated_study, clean_env, monkeypatch):
@@ -286,8 +292,11 @@ def test_verify_referees_a_real_study_with_llama_bench(llama_bench, model_info, 
         row = rows[name]
         assert row["low"] <= row["measured_ratio"] <= row["high"] and row["verdict"] in (
             "faster", "slower", "no measurable difference")
-        assert row["claimed_ratio"] == pytest.approx(
-            outcome.recommendation.expected_tps / outcome.recommendation.baselines[name])
+        claims = outcome.recommendation.claims  # the study's paired ratio and its interval (A/A where the
+        claim = claims["vs"].get(name) or claims["noise"]  # recommendation is llama.cpp's defaults itself)
+        assert (row["claimed_ratio"], row["claimed_low"], row["claimed_high"]) == pytest.approx(
+            (claim["ratio"], claim["low"], claim["high"]))
+        assert row["inside_claim"] == (claim["low"] <= row["measured_ratio"] <= claim["high"])
     shown = CliRunner().invoke(main, ["verify", "referee-me", "--rounds", "2", "-r", "1", "--db", sqlite_url,
                                       "--json"])
     assert shown.exit_code == 0, shown.output
