@@ -451,25 +451,31 @@ class SamplerJobs(_Counted):
 
 class ConfirmRounds(_Counted):
     """The interleaved confirmation (issue 20.2): the candidates, both baselines and llama.cpp's
-    defaults once more (the A/A arm: the machine's own noise) measured one at a time on one node,
-    after a warm-up, in rounds whose order rotates (A B C, B C A, C A B, ...) so that drift over time
-    and the position in a round touch every arm alike. Rounds go on until the winner's ratio over
-    each baseline is narrow enough (``CONFIRM_HALF_WIDTH``) after ``CONFIRM_MIN_ROUNDS``, or until
-    ``max_rounds``. A job lost with its node runs again on another node."""
+    defaults once more (the A/A arm: the machine's own noise) measured one at a time, in rounds whose
+    order rotates (A B C, B C A, C A B, ...) so that drift over time and the position in a round touch
+    every arm alike. Every arm of a round runs on one node, after a warm-up on that node; successive
+    rounds take the chip's nodes in turn, so a ratio (paired within its round) never mixes two
+    nodes, and each configuration is measured on several nodes (``fleet status`` compares nodes on
+    them). Rounds go on until the winner's ratio over each baseline is narrow enough
+    (``CONFIRM_HALF_WIDTH``) after ``CONFIRM_MIN_ROUNDS``, or until ``max_rounds``. A job lost with
+    its node runs again on another node."""
 
     phase = "confirm"
 
-    def __init__(self, arms: list[tuple[str, BenchParams]], node: str | None, alive: Callable[[], list[str]],
+    def __init__(self, arms: list[tuple[str, BenchParams]], nodes: list[str], alive: Callable[[], list[str]],
                  rate: Callable[[TrialResult], float | None], max_rounds: int, first_round: int = 1,
                  values: dict[int, dict[str, float | None]] | None = None) -> None:
-        self.arms, self.node, self.alive, self.rate = arms, node, alive, rate
+        self.arms, self.nodes, self.alive, self.rate = arms, list(nodes), alive, rate
         self.max_rounds = max_rounds
         self.values: dict[int, dict[str, float | None]] = dict(values or {})  # round -> arm -> rate
         self.round = first_round - 1
         self.first_round = first_round
-        self.queue: list[tuple[str, BenchParams, int]] = [(learn.WARMUP_ARM, arms[0][1], first_round - 1)] if arms else []
+        self.queue: list[tuple[str, BenchParams, int]] = []
+        self.warmed: set[str | None] = set()  # nodes that ran this confirmation's warm-up
+        self.round_node: dict[int, str | None] = {}
         self.running = False
-        self.total = 1 + len(arms) * max(max_rounds - len(self.values), 0)
+        rounds = max(max_rounds - len(self.values), 0)
+        self.total = min(max(len(self.nodes), 1), rounds) + len(arms) * rounds
         self._done = self._failed = 0
 
     def _narrow(self) -> bool:
@@ -509,12 +515,25 @@ class ConfirmRounds(_Counted):
         item = self._next()
         if item is None:
             return []
-        alive = sorted(self.alive())
-        if self.node not in alive and alive:  # the node is gone: the rounds go on on another one
-            self.node = alive[0]
         name, params, round_ = item
+        node = self._node_for(round_)
+        if node not in self.warmed:  # the node's first job of this confirmation: its warm-up first
+            self.queue.insert(0, item)
+            name, params = learn.WARMUP_ARM, self.arms[0][1]
         self.running = True
-        return [Job(self.phase, params, self.node, arm=name, round=round_)]
+        return [Job(self.phase, params, node, arm=name, round=round_)]
+
+    def _node_for(self, round_: int) -> str | None:
+        """The node of a round: the chip's nodes in turn, round by round; a round keeps its node
+        while it is alive (its ratios are paired on one node), and moves to another when it is gone."""
+        alive = sorted(self.alive())
+        node = self.round_node.get(round_)
+        if node is not None and node in alive:
+            return node
+        pool = [n for n in self.nodes if n in alive] or alive
+        node = pool[(round_ - self.first_round) % len(pool)] if pool else None
+        self.round_node[round_] = node
+        return node
 
     def ahead(self, running: int) -> bool:
         return False
@@ -526,6 +545,7 @@ class ConfirmRounds(_Counted):
             self.queue.insert(0, (job.arm or "", job.params, job.round or 0))
             return
         if job.arm == learn.WARMUP_ARM:
+            self.warmed.add(job.node)  # a warm-up is never repeated (a lost node's round moves on)
             return
         value = self.rate(finished.result) if finished.objective_value is not None else None
         self.values.setdefault(job.round or 0, {})[job.arm or ""] = value
@@ -1059,8 +1079,7 @@ class StudyRunner:
         else:
             arms = self._confirm_arms()
         first = max(values, default=generation * learn.ROUND_GENERATION) + 1
-        nodes = sorted(self.alive_nodes())
-        return ConfirmRounds(arms, nodes[0] if nodes else None, self.alive_nodes, rate,
+        return ConfirmRounds(arms, sorted(self.alive_nodes()), self.alive_nodes, rate,
                              self.cfg.confirm_rounds, first, values)
 
     def _draft(self) -> learn.RecommendationDraft | None:

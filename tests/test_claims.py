@@ -126,21 +126,36 @@ def test_the_sampler_is_told_a_trial_is_a_repeat(sqlite_url):
 # ---------------------------------------------------------------- 2. interleaved confirmation
 
 
-def test_confirmation_rotates_every_arm_over_rounds_on_one_node_after_a_warm_up(sqlite_url):
-    run = runner(sqlite_url, name="rounds")
+def test_confirmation_rotates_every_arm_over_rounds_each_round_on_one_warmed_node(sqlite_url):
+    fleet = VirtualFleet(CHIP, 3, trial_s=0.0, prefix="node", seed=3)
+    pinned: list[str | None] = []  # the node each job was sent to, in order (confirmation jobs come last)
+    submit = fleet.submit
+    fleet.submit = lambda spec, chip_key, node_id=None: pinned.append(node_id) or submit(spec, chip_key, node_id)
+    run = runner(sqlite_url, fleet=fleet, name="rounds")
     run.run()
     confirm = rows_of(run, "confirm")
     assert confirm[0].confirm_arm == learn.WARMUP_ARM
     rounds: dict[int, list[str]] = {}
-    for r in confirm[1:]:
+    nodes: dict[int, set[str | None]] = {}
+    warmed: set[str | None] = set()
+    for r, node in zip(confirm, pinned[-len(confirm):], strict=True):
+        assert node is not None
+        if r.confirm_arm == learn.WARMUP_ARM:
+            assert node not in warmed  # one warm-up per node, before its first round
+            warmed.add(node)
+            continue
+        assert node in warmed
         rounds.setdefault(r.confirm_round, []).append(r.confirm_arm)
+        nodes.setdefault(r.confirm_round, set()).add(node)
     assert 3 <= len(rounds) <= 8
     first = rounds[1]
     assert {learn.LLAMA_CPP, learn.LLAMA_CPP_PYTHON, learn.NOISE_ARM} <= set(first)
     for number, order in rounds.items():
         shift = (number - 1) % len(first)
         assert order == first[shift:] + first[:shift]  # A B C, B C A, ...
-    assert len({r.node_id for r in confirm}) == 1  # every arm on the same node
+    assert all(len(n) == 1 for n in nodes.values())  # a round's ratios are paired on one node
+    in_turn = [next(iter(nodes[number])) for number in sorted(nodes)]
+    assert len(set(in_turn[:3])) == 3 and in_turn[3:] == in_turn[:len(in_turn) - 3]  # the nodes in turn
 
 
 def test_rounds_stop_at_their_budget(sqlite_url):
