@@ -430,8 +430,8 @@ def _progress_printer(console):
 @timeout_option()
 @click.option("--cooldown", default=0.0, show_default=True, help="Seconds of rest before each trial.")
 @click.option("--confirm-top", default=3, show_default=True, help="Top configurations to re-measure.")
-@click.option("--confirm-rounds", default=8, show_default=True,
-              help="Most rounds of the interleaved confirmation (at least 3).")
+@click.option("--confirm-rounds", type=int, default=None,
+              help="Most rounds of the interleaved confirmation (at least 3; default 5, or $FLEETTUNE_CONFIRM_ROUNDS).")
 @click.option("--allow-lossy", is_flag=True,
               help="Also search the K/V cache types (they change the outputs; their KL divergence is measured).")
 @click.option("--warm-start/--no-warm-start", "warm", default=True, show_default=True,
@@ -455,8 +455,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, s
         model=info, objective=objective,
         workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens, depth=depth), reps=reps,
         n_trials=trials, sampler=sampler, name=study_name, resume=resume, seed=seed,
-        timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top, confirm_rounds=confirm_rounds,
-        allow_lossy=allow_lossy,
+        timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top, allow_lossy=allow_lossy,
+        **({} if confirm_rounds is None else {"confirm_rounds": confirm_rounds}),
     )
     cfg.validate()
     console = Console(stderr=True)

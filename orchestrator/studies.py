@@ -78,7 +78,7 @@ ORPHANED = "orphaned: the driver stopped"
 # winner's ratio over each baseline is known to within +-CONFIRM_HALF_WIDTH (log scale, ~ +-2.5 %),
 # or after its budget of rounds (StudyConfig.confirm_rounds)
 CONFIRM_MIN_ROUNDS = 3
-CONFIRM_MAX_ROUNDS = 8
+CONFIRM_MAX_ROUNDS = 5  # the default budget of rounds; FLEETTUNE_CONFIRM_ROUNDS sets another
 CONFIRM_HALF_WIDTH = 0.025
 # issue 20.6: a proposal of a configuration that failed before is told a penalised value, not run;
 # a sampler that proposes only such configurations this many times in a row ends the search
@@ -120,6 +120,17 @@ def check_depth(workload: Workload, model: ModelInfo) -> None:
                        f"{model.name}'s context of {model.context_length}")
 
 
+
+def default_confirm_rounds() -> int:
+    """The confirmation's default budget of rounds: ``$FLEETTUNE_CONFIRM_ROUNDS``, else
+    CONFIRM_MAX_ROUNDS (a whole number of at least CONFIRM_MIN_ROUNDS; BadInput otherwise)."""
+    text = os.environ.get("FLEETTUNE_CONFIRM_ROUNDS", "").strip()
+    if not text:
+        return CONFIRM_MAX_ROUNDS
+    if not text.isdigit() or int(text) < CONFIRM_MIN_ROUNDS:
+        raise BadInput(f"FLEETTUNE_CONFIRM_ROUNDS={text!r}: a whole number of rounds, at least {CONFIRM_MIN_ROUNDS}")
+    return int(text)
+
 @dataclass(frozen=True)
 class StudyConfig:
     """What the user asked for. ``None`` means "not given": a new study takes the default, a
@@ -139,7 +150,7 @@ class StudyConfig:
     warm_start: tuple[BenchParams, ...] = ()  # measured first, before the sampler proposes
     reps: int | None = None  # overrides workload.reps when given
     allow_lossy: bool = False  # issue 20.4: search the K/V cache types (they change the outputs)
-    confirm_rounds: int = CONFIRM_MAX_ROUNDS  # issue 20.2: the confirmation's budget of rounds
+    confirm_rounds: int = field(default_factory=lambda: default_confirm_rounds())  # issue 20.2: budget of rounds
 
     def __post_init__(self) -> None:
         if isinstance(self.objective, str) and self.objective in OBJECTIVES:

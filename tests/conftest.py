@@ -21,6 +21,10 @@ from pathlib import Path
 import pytest
 import ray
 
+# Studies in tests confirm in the fewest rounds (3) unless a test names its own budget: the rounds'
+# rule is tested in tests/test_claims.py; elsewhere a study's confirmation only has to end.
+os.environ.setdefault("FLEETTUNE_CONFIRM_ROUNDS", "3")
+
 # fixture -> the marker of every test that uses it (directly or through another fixture)
 FIXTURE_MARKERS = {
     "ray_cluster": "cluster", "fleet_cluster": "cluster",

@@ -32,3 +32,11 @@ def test_unknown_names_are_one_line_and_exit_2(tmp_path, option):
     result = tune(tmp_path, *option)
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and result.output.startswith("error: unknown ")
+
+
+@pytest.mark.parametrize("rounds", ["2", "five", "-4"])
+def test_a_bad_confirmation_budget_in_the_environment_is_one_line_and_exit_2(tmp_path, monkeypatch, rounds):
+    monkeypatch.setenv("FLEETTUNE_CONFIRM_ROUNDS", rounds)
+    result = tune(tmp_path)
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "FLEETTUNE_CONFIRM_ROUNDS" in result.output
