@@ -123,6 +123,8 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
                     key=lambda item: item[0].ratio if math.isfinite(item[0].ratio) else -math.inf, reverse=True)
     best = ranked[0] if ranked else None
     winner = best[1] if best and best[0].verdict is Verdict.FASTER else LLAMA_CPP
+    if LLAMA_CPP_PYTHON in arms and interval(LLAMA_CPP_PYTHON, winner).verdict is Verdict.FASTER:
+        winner = LLAMA_CPP_PYTHON  # never measurably slower than either baseline (rule 20.3)
     claims: dict = {"winner": winner, "rounds": len(order), "params": arms[winner].to_dict(), "vs": {}}
     for name in (LLAMA_CPP_PYTHON, LLAMA_CPP):
         if name in arms and name != winner:
@@ -131,7 +133,9 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
         claims["best_candidate"] = {"arm": best[1], "params": arms[best[1]].to_dict(), **as_dict(best[0])}
     if NOISE_ARM in arms:
         claims["noise"] = as_dict(interval(NOISE_ARM, LLAMA_CPP))
-    if winner != LLAMA_CPP:
+    if winner == LLAMA_CPP_PYTHON:
+        claims["outcome"] = f"llama-cpp-python's defaults: {claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
+    elif winner != LLAMA_CPP:
         claims["outcome"] = f"{claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
     elif best is not None and best[0].verdict is Verdict.SLOWER:
         claims["outcome"] = "llama.cpp's defaults: every candidate was slower"
