@@ -68,10 +68,12 @@ def test_all_chips_routes_each_study_to_its_chip_and_one_trial_per_node(db_url, 
                 assert start >= end
         assert parallel  # with two idle nodes of a chip, its trials ran two at once
         confirm = [t for st in studies.values() for t in repo.study_trials(s, st.id, "confirm")]
-        nodes_per_study = defaultdict(set)  # the interleaved confirmation runs on one node (rule 20.2)
-        for t in confirm:
-            nodes_per_study[t.study_id].add(t.node_id)
-        assert nodes_per_study and all(len(n) == 1 for n in nodes_per_study.values())
+        nodes_per_config, nodes_per_round = defaultdict(set), defaultdict(set)
+        for t in confirm:  # the confirmation's rounds take the chip's nodes in turn, one node a round
+            nodes_per_config[(t.study_id, json.dumps(t.params, sort_keys=True))].add(t.node_id)
+            nodes_per_round[(t.study_id, t.confirm_round)].add(t.node_id)
+        assert nodes_per_config and all(len(n) >= 2 for n in nodes_per_config.values())
+        assert all(len(n) == 1 for n in nodes_per_round.values())
     status = json.loads(run_cli("fleet", "status", "--db", db_url, "--json"))
     by_chip = defaultdict(int)
     for row in status:
