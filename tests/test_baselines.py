@@ -177,6 +177,7 @@ def test_tune_searches_the_new_dimensions_on_a_simulated_mac_at_a_depth(sqlite_u
         assert repo.get_study(s, outcome.name).depth == 4096
 
 
+@pytest.mark.timeout(1200)  # a real study: 10 trials, KL divergences of quantized caches, 3 interleaved rounds
 def test_tune_searches_the_new_dimensions_on_this_cpu_with_the_real_model(sqlite_url, model_info,
                                                                           local_fingerprint, ray_cluster):
     from orchestrator.tune import tune
