@@ -2,36 +2,42 @@
 control group, over one stretch of time) and returns figures; ``judge`` is a pure function of those
 figures, the expected figure and the tolerance, with three outcomes (utils/evaluate/evaluate.go):
 
-- ``pass``: the canary is as fast as its control group and its expected figure allow;
-- ``fail``: it is slower by more than the tolerance, a request failed, or its config does not serve;
-- ``inconclusive``: the figures cannot decide (the canary served another config while measured, its
-  requests gave no rate in the objective, or its control group gave no figures). Inconclusive never
-  promotes: the rollout pauses, with the reason (rule 24.4).
+- ``pass``: enough rates, and the canary is not shown slower than its control group (or its
+  expected figure) by more than the tolerance;
+- ``fail``: it is shown slower by more than the tolerance (Mann-Whitney's U at 98 %, Kayenta's
+  test: orchestrator.canarystats), a request failed, or its config does not serve;
+- ``inconclusive``: the figures cannot decide (too few rates yet, the canary served another config
+  while measured, its requests gave no rate in the objective, or its control group gave no
+  figures). ``collect`` goes on measuring while the verdict is inconclusive, within
+  ``ANALYSIS_BUDGET_S``; inconclusive at the end never promotes: the rollout pauses, with the
+  reason (rule 24.4, issue 22.7).
 
 A node that serves (``fleettune serve``) is judged on served traffic: once it serves the new config,
 the workload's fixed prompt set goes through its OpenAI API and through those of up to
 ``MAX_CONTROLS`` same-chip nodes still on the old config (A/B), in interleaved rounds
-(``probe_interleaved``), each node's rate the median of its samples' (``served_rate``). Served
-traffic carries HTTP and sampling costs a benchmark does not, so the expected figure is compared in
-kind: scaled by the control group's served rate over its own config's expected figure, where that
-is known. A node that does not serve is judged by a benchmark on the same workload, against the
-expected figure.
+(``probe_interleaved``), each sample's rate in the objective (``sample_rates``) one point of the
+test. Served traffic carries HTTP and sampling costs a benchmark does not, so the expected figure
+is compared in kind: the canary must reach (1 - tolerance) x its control group, raised by the ratio
+of its expected figure over the control config's where that is known. A node that does not serve
+is judged by a benchmark on the same workload, against the expected figure.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from orchestrator import canarystats
 from orchestrator.nodecalls import Applier, workload
 from workers.models import ModelInfo
 from workers.objective import objective as objective_named
 
 SWITCH_TIMEOUT_S = 300.0  # a serving canary has this long to start serving the new config
-PROBE_ROUNDS = 6  # served A/B rounds (one sample per node each), after one warm-up round
-MIN_ROUNDS = 3  # rounds always taken; more only within PROBE_BUDGET_S
-PROBE_BUDGET_S = 20.0  # keeps a regression's detection well inside a minute of its apply
+PROBE_ROUNDS = 40  # at most this many served A/B rounds (one sample per node each), after a warm-up round
+MIN_ROUNDS = 3  # rounds always taken; then more while the verdict is inconclusive, within the budget
+ANALYSIS_BUDGET_S = 240.0  # the served analysis's rounds start within this long of its first
 PROBE_MAX_PROMPT, PROBE_MAX_GEN = 1024, 128  # the workload, bounded to what a 2048 context holds
 # A sample's full request generates at least this many tokens: its generation rate is the difference
 # of two request times, and with fewer that difference is no larger than what another client's
@@ -78,21 +84,25 @@ def served_rate(objective, summary: dict, n_prompt: int, n_gen: int) -> float | 
 
 
 def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_gen: int,
-                      rounds: int = PROBE_ROUNDS, budget_s: float = PROBE_BUDGET_S) -> dict[str, dict]:
+                      rounds: int = PROBE_ROUNDS, budget_s: float = ANALYSIS_BUDGET_S,
+                      enough: Callable[[dict[str, dict]], bool] | None = None) -> dict[str, dict]:
     """Served samples from several nodes, in turn: a warm-up round whose timings are dropped (a
     server that has just started pays first-use costs; its failures still count), then rounds of
     one sample per node, the order rotated each round, so that every node is measured across the
     same stretch of time and background load (on a shared machine that load moves by more than
-    the differences being judged). Rounds past ``MIN_ROUNDS`` only within ``budget_s``. Per node:
-    the summary of its samples (workers.probe.summarise) with the config versions it served."""
-    from workers.probe import RequestResult, summarise
+    the differences being judged). After ``MIN_ROUNDS`` rounds, another round starts only while
+    ``enough`` (given the summaries so far) says no and within ``budget_s`` of the first. Per
+    node: the summary of its samples (workers.probe.summarise) with the config versions it served."""
+    from workers.probe import RequestResult
 
     samples: dict[str, list[RequestResult]] = {n: [] for n in node_ids}
     versions: dict[str, set] = {n: set() for n in node_ids}
     refused: dict[str, dict] = {}
     started = time.monotonic()
     for round_no in range(rounds + 1):
-        if round_no > MIN_ROUNDS and time.monotonic() - started > budget_s:
+        if round_no > MIN_ROUNDS and (time.monotonic() - started > budget_s
+                                      or (enough is not None and enough(_summaries(samples, versions, refused,
+                                                                                   n_prompt)))):
             break
         shift = round_no % len(node_ids)
         for node_id in node_ids[shift:] + node_ids[:shift]:
@@ -108,15 +118,21 @@ def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_ge
             versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
             results = [RequestResult(**r) for r in out.get("results", [])]
             samples[node_id] += results if round_no else [r for r in results if not r.ok]
+    return _summaries(samples, versions, refused, n_prompt)
+
+
+def _summaries(samples: dict[str, list], versions: dict[str, set], refused: dict[str, dict],
+               n_prompt: int) -> dict[str, dict]:
+    from workers.probe import summarise
+
     summaries = {}
-    for node_id in node_ids:
+    for node_id, taken in samples.items():
         if node_id in refused:
             summaries[node_id] = refused[node_id]
             continue
-        summaries[node_id] = {"served": True, **summarise(samples[node_id], n_prompt),
+        summaries[node_id] = {"served": True, **summarise(taken, n_prompt),
                               "config_versions": sorted(v for v in versions[node_id] if v is not None),
-                              "samples": [[r.ttft_s, r.total_s, r.n_prompt, r.n_gen] for r in samples[node_id]
-                                          if r.ok]}
+                              "samples": [[r.ttft_s, r.total_s, r.n_prompt, r.n_gen] for r in taken if r.ok]}
     return summaries
 
 
@@ -146,11 +162,12 @@ def wait_serving(applier: Applier, node_id: str, version: int, timeout_s: float 
 
 
 def collect(node_id: str, chip_key: str, payload: dict, control_ids: list[str], model: ModelInfo | None,
-            applier: Applier) -> dict:
+            applier: Applier, enough: Callable[[dict], bool] | None = None) -> dict:
     """The canary's figures, in the payload's own objective (a higher-is-better rate): a benchmark
     on a node that does not serve; on one that serves, once it serves the payload's version, its
     served samples and those of up to ``MAX_CONTROLS`` serving nodes of ``control_ids`` (still on
-    the old config), over one stretch of time."""
+    the old config), over one stretch of time, taken until ``enough`` (given the figures so far)
+    says they decide, or the rounds' budget is spent."""
     obj = objective_named(payload["objective"])
     base = {"node": node_id, "chip": chip_key, "objective": obj.name, "version": int(payload["version"])}
     status = applier.serve_status(node_id)
@@ -161,28 +178,31 @@ def collect(node_id: str, chip_key: str, payload: dict, control_ids: list[str], 
     if not wait_serving(applier, node_id, int(payload["version"])):
         return {**base, "method": "served", "switched": False, "status": status, "switch_timeout_s": SWITCH_TIMEOUT_S}
     serving_controls = [c for c in control_ids if applier.serve_status(c) is not None][:MAX_CONTROLS]
-    figures_of = probe_interleaved(applier, [node_id, *serving_controls], n_prompt, n_gen_measured)
-    canary = figures_of[node_id]
-    controls = []
+    expected_of = {}
     for control in serving_controls:
-        figures = figures_of[control]
-        figures["rate"] = served_rate(obj, figures, n_prompt, n_gen)
         try:
             held = applier.read(control)
         except Exception:  # noqa: BLE001 - its expected figure is then unknown
             held = None
         same_measure = held and held["objective"] == obj.name and held.get("workload") == payload.get("workload")
-        figures["expected"] = held["expected_tps"] if same_measure else None
-        figures["node"] = control
-        controls.append(figures)
-    rates = [c["rate"] for c in controls if c["rate"]]
-    return {**base, "method": "served", "switched": True, "workload": [n_prompt, n_gen],
-            "generated_per_sample": n_gen_measured, "canary": canary,
-            "rate": served_rate(obj, canary, n_prompt, n_gen), "controls": controls,
-            "control_rate": statistics.median(rates) if rates else None}  # of two: their mean
+        expected_of[control] = held["expected_tps"] if same_measure else None
+    served = {**base, "method": "served", "switched": True, "workload": [n_prompt, n_gen],
+              "generated_per_sample": n_gen_measured}
+
+    def figures_from(summaries: dict[str, dict]) -> dict:
+        canary = summaries[node_id]
+        controls = [{**summaries[c], "rate": served_rate(obj, summaries[c], n_prompt, n_gen),
+                     "expected": expected_of[c], "node": c} for c in serving_controls]
+        rates = [c["rate"] for c in controls if c["rate"]]
+        return {**served, "canary": canary, "rate": served_rate(obj, canary, n_prompt, n_gen), "controls": controls,
+                "control_rate": statistics.median(rates) if rates else None}  # of two: their mean
+
+    summaries = probe_interleaved(applier, [node_id, *serving_controls], n_prompt, n_gen_measured,
+                                  enough=None if enough is None else lambda s: enough(figures_from(s)))
+    return figures_from(summaries)
 
 
-def judge(figures: dict, expected: float, tolerance: float) -> Verdict:
+def judge(figures: dict, expected: float, tolerance: float, min_points: int = canarystats.MIN_POINTS) -> Verdict:
     """The verdict on a canary's ``figures`` (``collect``), held to ``expected`` (tok/s) and to its
     control group, each within ``tolerance``. Pure: no node, no clock, no database."""
     where = f"canary {str(figures.get('node', '?'))[:12]} ({figures.get('chip', '?')})"
@@ -217,23 +237,49 @@ def judge(figures: dict, expected: float, tolerance: float) -> Verdict:
         return Verdict(INCONCLUSIVE, rate, f"{where}: its control group of {len(controls)} gave no figures "
                        f"({'; '.join(str(c.get('error') or c.get('errors')) for c in controls)})", analysis,
                        "no control")
+    obj = objective_named(figures["objective"])
+    n_prompt, n_gen = figures.get("workload") or (0, 0)
+    canary_rates = sample_rates(obj, canary, n_prompt, n_gen)
     summary = f"{rate:.2f} tok/s served ({figures.get('objective')}), ttft {canary['ttft_s'] * 1000:.0f} ms"
     if control_rate:
-        analysis["ab_floor"] = control_rate * (1 - tolerance)
-        if rate < analysis["ab_floor"]:
+        # the canary's floor against its controls: 1 - tolerance, raised where its config is expected
+        # to be faster than theirs (the expected figures' ratio, both measured by benchmark)
+        old_expected = next((c["expected"] for c in controls if c.get("rate") and c.get("expected")), None)
+        gain = max(1.0, expected / old_expected) if old_expected else 1.0
+        floor = (1 - tolerance) * gain
+        control_rates = [r for c in controls if c.get("rate") for r in sample_rates(obj, c, n_prompt, n_gen)]
+        comparison = canarystats.compare(canary_rates, control_rates, floor, min_points=min_points)
+        analysis.update(ab_floor=control_rate * (1 - tolerance), floor_ratio=floor, comparison=comparison.as_dict())
+        if gain > 1.0:
+            analysis["expected_floor"] = control_rate * floor
+        if comparison.outcome == canarystats.FAIL:
+            why = (f"slower by more than {tolerance:.0%}" if gain == 1.0 else
+                   f"expected at least {floor:.2f}x it ({expected:.2f} over its {old_expected:.2f} tok/s by "
+                   f"benchmark - {tolerance:.0%})")
             return Verdict(FAIL, rate, f"{where}: {rate:.2f} tok/s served, control group {control_rate:.2f}: "
-                           f"slower by more than {tolerance:.0%}", analysis, summary)
-    old_expected = [c["expected"] for c in controls if c.get("rate") and c.get("expected")]
-    scale = (control_rate / old_expected[0]) if control_rate and old_expected else (None if control_rate else 1.0)
-    if scale is not None:
-        analysis["expected_floor"] = expected * scale * (1 - tolerance)
-        if rate < analysis["expected_floor"]:
+                           f"{why}; {comparison.describe()}", analysis, summary)
+        summary += f", control {control_rate:.2f}, {comparison.describe()}"
+    else:  # no node of the chip left on the old config: the benchmark's figure is the reference
+        comparison = canarystats.compare_to_figure(canary_rates, expected, 1 - tolerance, min_points=min_points)
+        analysis.update(expected_floor=expected * (1 - tolerance), comparison=comparison.as_dict())
+        if comparison.outcome == canarystats.FAIL:
             return Verdict(FAIL, rate, f"{where}: {rate:.2f} tok/s served, expected at least "
-                           f"{analysis['expected_floor']:.2f} ({expected:.2f} x {scale:.2f} served/bench - "
-                           f"{tolerance:.0%})", analysis, summary)
-    if control_rate:
-        summary += f", control {control_rate:.2f}"
+                           f"{analysis['expected_floor']:.2f} ({expected:.2f} - {tolerance:.0%}); "
+                           f"{comparison.describe()}", analysis, summary)
+    if comparison.outcome == canarystats.INCONCLUSIVE:
+        return Verdict(INCONCLUSIVE, rate, f"{where}: {comparison.n_canary} served rates, {min_points} needed "
+                       f"to pass; {comparison.describe()}", analysis, summary)
     return Verdict(PASS, rate, None, analysis, summary)
+
+
+def analyse(node_id: str, chip_key: str, payload: dict, control_ids: list[str], model: ModelInfo | None,
+            applier: Applier, tolerance: float) -> Verdict:
+    """A canary's analysis: its figures collected while the verdict on them is inconclusive (within
+    the rounds' budget), then the verdict."""
+    expected = float(payload["expected_tps"])
+    figures = collect(node_id, chip_key, payload, control_ids, model, applier,
+                      enough=lambda interim: judge(interim, expected, tolerance).outcome != INCONCLUSIVE)
+    return judge(figures, expected, tolerance)
 
 
 def served_snapshot(applier: Applier, node_id: str, payload: dict) -> dict | None:

@@ -394,8 +394,7 @@ def _advance(db: _Fenced, row: _Row, model: ModelInfo, applier: Applier, toleran
         on_step(f"{where}: applied")
         row.state = "applied"
     if row.stage == 0 and row.state == "applied":  # canaries are verified before anyone else moves
-        figures = canary.collect(row.node_id, row.chip_key, row.config, control_ids, model, applier)
-        verdict = canary.judge(figures, float(row.config["expected_tps"]), tolerance)
+        verdict = canary.analyse(row.node_id, row.chip_key, row.config, control_ids, model, applier, tolerance)
         row.analysis = {**(row.analysis or {}), **verdict.analysis}
         if verdict.outcome == canary.INCONCLUSIVE:
             _set(db, row.id, measured_tps=verdict.rate, analysis=row.analysis, reason=verdict.reason)

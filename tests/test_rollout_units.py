@@ -10,7 +10,8 @@ from dataclasses import asdict
 import pytest
 
 from orchestrator import canary
-from orchestrator.canary import PROBE_ROUNDS, collect, judge
+from orchestrator.canary import judge
+from orchestrator.canarystats import MIN_POINTS
 from orchestrator.rollout import parse_pin
 from workers import nodeconfig
 from workers.errors import BadInput
@@ -105,8 +106,7 @@ def canary_payload(objective: str, version: int = 7) -> dict:
 
 
 def judged(servers, objective: str, controls: list[str], tolerance: float):
-    figures = collect("canary", "chip", canary_payload(objective), controls, None, servers)
-    return judge(figures, 1.0, tolerance)
+    return canary.analyse("canary", "chip", canary_payload(objective), controls, None, servers, tolerance)
 
 
 @pytest.mark.parametrize("objective", ["tg", "pp", "e2e"])
@@ -117,16 +117,22 @@ def test_an_equal_canary_passes_the_served_ab_whatever_the_queueing_and_a_slow_o
     assert verdict.outcome == canary.PASS and verdict.reason is None, verdict.analysis
     assert verdict.rate == pytest.approx(verdict.analysis["control_rate"])
     # warm-up round first, then every round has each node once, the order rotated
-    rounds = [[n for n, first in same.calls if first == r] for r in range(1 + PROBE_ROUNDS)]
+    taken = 1 + max(first for _, first in same.calls)
+    rounds = [[n for n, first in same.calls if first == r] for r in range(taken)]
     assert rounds[0] == ["canary", "a", "b"] and rounds[1] == ["a", "b", "canary"]
     assert all(sorted(r) == ["a", "b", "canary"] for r in rounds)
-    assert verdict.analysis["canary"]["requests"] == PROBE_ROUNDS  # the warm-up's timings are dropped
+    # it passed once the canary had MIN_POINTS rates, not before, and took no round more
+    assert verdict.analysis["comparison"]["n_canary"] >= MIN_POINTS
+    assert verdict.analysis["canary"]["requests"] == taken - 1  # the warm-up's timings are dropped
+    assert taken - 1 < canary.PROBE_ROUNDS
 
     slow_pp, slow_tg = (0.03, 0.03), (0.002, 0.09)  # batch 1: the prompt a token at a time; one thread
     slow = FakeServers({"canary": slow_pp if objective == "pp" else slow_tg, "a": (0.002, 0.03),
                         "b": (0.002, 0.03)}, {"canary": 7, "a": 1, "b": 1})
     verdict = judged(slow, objective, ["a", "b"], 0.4)
     assert verdict.outcome == canary.FAIL and "slower by more than 40%" in verdict.reason
+    # a slow canary fails as soon as the test shows it: after the first few rounds, not the budget's
+    assert verdict.analysis["comparison"]["n_canary"] < MIN_POINTS, verdict.analysis["comparison"]
 
 
 def test_a_canary_with_a_failed_request_fails_and_one_that_switched_away_is_inconclusive():
@@ -147,33 +153,61 @@ def test_a_canary_with_a_failed_request_fails_and_one_that_switched_away_is_inco
     assert verdict.outcome == canary.INCONCLUSIVE and "while measured" in verdict.reason
 
 
-def served_figures(rate: float | None, control_rates: list[float | None], *, versions=(7,), errors: int = 0,
-                   control_expected: float | None = None) -> dict:
-    """Figures as ``collect`` returns them for a serving canary (no node needed)."""
+def tg_samples(rates: list[float] | None) -> list[list]:
+    """Served samples of 32 generated tokens whose generation rates are ``rates``."""
+    return [[0.1, 0.1 + 31 / r, 64, 32] for r in rates or []]
+
+
+def served_figures(rates: list[float] | None, control_rates: list[list[float] | None], *, versions=(7,),
+                   errors: int = 0, control_expected: float | None = None) -> dict:
+    """Figures as ``collect`` returns them for a serving canary (no node needed): the canary's and
+    each control's samples, with these generation rates."""
+    def median(values):
+        return sorted(values)[len(values) // 2] if values else None
+
+    controls = [{"served": r is not None, "errors": 0, "samples": tg_samples(r), "rate": median(r or []),
+                 "expected": control_expected, "error": None if r is not None else "no server running on this node"}
+                for r in control_rates]
+    medians = [c["rate"] for c in controls if c["rate"]]
     return {"node": "c" * 16, "chip": "chip", "objective": "tg", "version": 7, "method": "served",
-            "switched": True, "rate": rate,
-            "canary": {"served": True, "errors": errors, "requests": 6, "config_versions": list(versions),
-                       "ttft_s": 0.1, "n_gen": 0 if rate is None else 48, "failures": []},
-            "controls": [{"served": r is not None, "rate": r, "expected": control_expected,
-                          "error": None if r is not None else "no server running on this node"}
-                         for r in control_rates],
-            "control_rate": sorted(r for r in control_rates if r)[0] if any(control_rates) else None}
+            "switched": True, "rate": median(rates or []), "workload": [64, 32],
+            "canary": {"served": True, "errors": errors, "requests": len(rates or []), "config_versions": list(versions),
+                       "ttft_s": 0.1, "n_gen": 0 if rates is None else 32, "failures": [],
+                       "samples": tg_samples(rates)},
+            "controls": controls, "control_rate": sorted(medians)[0] if medians else None}
+
+
+def spread(rate: float, n: int = MIN_POINTS) -> list[float]:
+    """``n`` rates around ``rate`` (within +-5 %), as noise spreads them."""
+    return [rate * (0.95 + 0.1 * i / max(1, n - 1)) for i in range(n)]
 
 
 def test_judge_is_a_pure_function_of_the_figures_with_three_outcomes():
-    assert judge(served_figures(10.0, [10.0, 10.5]), 12.0, 0.1).outcome == canary.PASS
-    slow = judge(served_figures(8.0, [10.0]), 12.0, 0.1)
-    assert slow.outcome == canary.FAIL and slow.analysis["ab_floor"] == pytest.approx(9.0)
-    # the expected figure, scaled by the control group's served/bench ratio: 12 x 10/10 - 10 %
-    below = judge(served_figures(10.5, [10.0], control_expected=10.0), 12.0, 0.1)
-    assert below.outcome == canary.FAIL and "expected at least 10.80" in below.reason
-    assert judge(served_figures(10.0, [10.0]), 12.0, 0.1).reason is None  # control's own figure unknown
-    # cannot decide: no rate from the canary's requests, its control group silent, or another version
-    for figures in (served_figures(None, [10.0]), served_figures(10.0, [None, None]),
-                    served_figures(10.0, [10.0], versions=(1, 7))):
+    assert judge(served_figures(spread(10.0), [spread(10.0), spread(10.5)]), 12.0, 0.1).outcome == canary.PASS
+    slow = judge(served_figures(spread(8.0), [spread(10.0)]), 12.0, 0.1)
+    assert slow.outcome == canary.FAIL and "slower by more than 10%" in slow.reason
+    assert slow.analysis["ab_floor"] == pytest.approx(slow.analysis["control_rate"] * 0.9)
+    assert slow.analysis["comparison"]["ratio"] == pytest.approx(0.8, rel=0.02)  # Hodges-Lehmann
+    # a canary expected 1.2x faster than its controls' config (12 over 10 by benchmark) must reach
+    # 1.2 x 0.9 of them: at 0.95x (inside the tolerance alone) it fails
+    below = judge(served_figures(spread(9.5), [spread(10.0)], control_expected=10.0), 12.0, 0.1)
+    assert below.outcome == canary.FAIL and "expected at least 1.08x" in below.reason
+    assert judge(served_figures(spread(10.0), [spread(10.0)]), 12.0, 0.1).reason is None  # control's own unknown
+    # cannot decide: too few rates yet, no rate from the canary's requests, its control group
+    # silent, or another version served while measured
+    for figures in (served_figures(spread(10.0, 3), [spread(10.0, 3)]), served_figures(None, [spread(10.0)]),
+                    served_figures(spread(10.0), [None, None]),
+                    served_figures(spread(10.0), [spread(10.0)], versions=(1, 7))):
         verdict = judge(figures, 12.0, 0.1)
         assert verdict.outcome == canary.INCONCLUSIVE and verdict.reason, verdict
-    assert judge(served_figures(None, [10.0], errors=2), 12.0, 0.1).outcome == canary.FAIL
+    assert "needed to pass" in judge(served_figures(spread(10.0, 3), [spread(10.0, 3)]), 12.0, 0.1).reason
+    # a gross regression fails on the few rates that show it
+    assert judge(served_figures(spread(4.0, 3), [spread(10.0, 3), spread(10.0, 3)]), 12.0, 0.1).outcome == canary.FAIL
+    # no control node left: the rates are held to the expected figure (one-sample test)
+    assert judge(served_figures(spread(12.0), []), 12.0, 0.1).outcome == canary.PASS
+    alone = judge(served_figures(spread(6.0), []), 12.0, 0.1)
+    assert alone.outcome == canary.FAIL and "expected at least 10.80" in alone.reason
+    assert judge(served_figures(None, [spread(10.0)], errors=2), 12.0, 0.1).outcome == canary.FAIL
     assert judge({**served_figures(None, []), "switched": False}, 12.0, 0.1).outcome == canary.FAIL
     bench = {"node": "n" * 16, "chip": "chip", "objective": "tg", "version": 7, "method": "benchmark"}
     assert judge({**bench, "rate": 11.0}, 12.0, 0.1).outcome == canary.PASS
