@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.serve_load import port_free  # noqa: E402 (after the path is set)
+
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
 MARKER = "FLEETTUNE_SERVE_FAULTS"  # in the environment of every process the harness starts
 GONE_WITHIN_S = 15.0  # a killed supervisor's server exits and frees the port within this
@@ -68,14 +70,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def port_free(port: int) -> bool:
-    try:
-        with socket.create_server(("127.0.0.1", port)):
-            return True
-    except OSError:
-        return False
 
 
 def wait_for(condition, timeout: float, interval: float = 0.2):

@@ -11,8 +11,18 @@ drop no request, and no request may cut another: rule 2 of issue 24).
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
+
+
+def port_free(port: int) -> bool:
+    """True when nothing listens on (or holds) this loopback port: it can be bound now."""
+    try:
+        with socket.create_server(("127.0.0.1", port)):
+            return True
+    except OSError:
+        return False
 
 
 class RoundRobinLoop:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_load import RoundRobinLoop
+from bench.serve_load import RoundRobinLoop, port_free
 from tests.conftest import wait_until
 from workers import nodeconfig, serve
 from workers.models import read_model_info
@@ -192,13 +192,6 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
 
-
-def port_free(port: int) -> bool:
-    try:
-        with socket.create_server(("127.0.0.1", port)):
-            return True
-    except OSError:
-        return False
 
 
 def start_serve(model_path: Path, port: int, log: Path, node: str = NODE) -> subprocess.Popen:
