@@ -340,6 +340,8 @@ def arch_shape(n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int
 ARCH_SHAPES = {
     "llama2-7b": arch_shape(32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
     "llama3-8b": arch_shape(32, 4096, 14336, 32, 8, 128256, 8192, 500000.0),
+    # Llama-3.2-1B's blocks; its output projection written out, not tied to the embedding
+    "llama3.2-1b": arch_shape(16, 2048, 8192, 32, 8, 128256, 8192, 500000.0),
     "llama2-13b": arch_shape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
     "tiny": arch_shape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
 }

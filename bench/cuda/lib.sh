@@ -48,6 +48,19 @@ build_shared() {  # TARGETS...: one CMake build of the vendored llama.cpp (CUDA 
     python3 -c 'import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(), "no GPU offload"; print(llama_cpp.llama_print_system_info().decode())'
 }
 
+build_cpu() {  # TARGETS...: the same vendored llama.cpp built for the CPU only (no CUDA), shared
+    # libraries that llama-cpp-python loads too: both tools run the same compiled code
+    rm -rf "$W/src" && mkdir -p "$W/src" && tar xJf "$D/llama-src.tar.xz" -C "$W/src" || return 1
+    local py=$W/src/llama_cpp_python-$LLAMA_SRC_VERSION
+    cmake -S "$py/vendor/llama.cpp" -B "$W/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF \
+        -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_CURL=OFF > "$W/build.log" 2>&1 &&
+    cmake --build "$W/build" --target "$@" -j "$(nproc)" >> "$W/build.log" 2>&1 || return 1
+    rm -rf /tmp/site/llama_cpp && cp -r "$py/llama_cpp" /tmp/site/llama_cpp && rm -rf /tmp/site/llama_cpp/lib &&
+    ln -s "$W/build/bin" /tmp/site/llama_cpp/lib &&
+    python3 -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())'
+}
+
 synth_llama3_8b() {  # PATH: synthetic Llama-3-8B Q4_0 with SmolLM2's tokenizer
     mkdir -p "$(dirname "$1")" && { [ -f "$1" ] ||
         ft model synth --shape llama3-8b --quant q4_0 --vocab-from "$D/vocab.gguf" -o "$1"; }

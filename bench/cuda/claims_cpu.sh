@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 20's referee protocol on the H200 machine's CPU (16 cores; llama.cpp built without CUDA):
+# five studies (tg, pp, tg, pp, tg; seeds 1-5) of a synthetic Llama-3.2-1B-shaped Q4_0, each
+# refereed by `fleettune verify` (llama-bench from the same build, five interleaved rounds), and a
+# table of every claimed ratio against llama-bench's. What travels in .device/ is made here by
+# bench/cuda/pack.sh (never committed).
+#
+#   bash bench/cuda/claims_cpu.sh start SECONDS   # start the steps detached (once), wait up to SECONDS
+#   bash bench/cuda/claims_cpu.sh wait SECONDS    # wait again (a later call on the same machine)
+set -u
+SRC=$(pwd)
+# shellcheck source=bench/cuda/lib.sh
+. "$SRC/bench/cuda/lib.sh"
+TRIALS=${TRIALS:-10}
+MODEL=${MODEL:-$W/models/synthetic-llama3.2-1b-q4_0.gguf}
+DB=sqlite:///$W/claims-cpu.db
+export CUDA_VISIBLE_DEVICES=""  # the CPU's study: no GPU even if a build had one
+
+synth_1b() {
+    mkdir -p "$(dirname "$MODEL")" && { [ -f "$MODEL" ] ||
+        ft model synth --shape llama3.2-1b --quant q4_0 --vocab-from "$D/vocab.gguf" -o "$MODEL"; }
+}
+
+study_n() {  # N OBJECTIVE: one study and its referee
+    local n=$1 objective=$2 workload
+    if [ "$objective" = tg ]; then workload="-p 0 -n 64"; else workload="-p 512 -n 0"; fi
+    # shellcheck disable=SC2086
+    ft tune "$MODEL" --trials "$TRIALS" --objective "$objective" $workload --reps 2 --timeout 120 --seed "$n" \
+        --study "cpu-$n-$objective" --quiet --db "$DB" --json > "$W/outcome-$n.json" 2> "$W/tune-$n.log" || return 1
+    FLEETTUNE_LLAMA_BENCH=$W/build/bin/llama-bench ft verify "cpu-$n-$objective" --rounds 5 --db "$DB" \
+        --json > "$W/verify-$n.json" 2> "$W/verify-$n.log"
+}
+
+table() {  # every claim beside llama-bench's ratio
+    python3 - "$W" <<'PY'
+import glob, json, os, sys
+w = sys.argv[1]
+print("| study | outcome | recommendation (llama-bench) | baseline | fleettune claimed | llama-bench measured | inside |")
+print("|---|---|---|---|---|---|---|")
+for path in sorted(glob.glob(os.path.join(w, "verify-*.json"))):
+    n = path.rsplit("-", 1)[1].split(".")[0]
+    rows = json.load(open(path))
+    outcome = json.load(open(os.path.join(w, f"outcome-{n}.json")))
+    rec = next(r for r in rows if r["config"] == "recommendation")
+    for r in rows:
+        if r["config"] == "recommendation":
+            continue
+        print(f"| {n} | {outcome.get('outcome', '?')} | {rec['llama_bench_flags']} "
+              f"| {r['config']} | {r.get('claimed')} | {r.get('measured')} | {r.get('claim_inside')} |")
+PY
+}
+
+steps() {
+    machine_facts "$W/env.txt"
+    step deps deps && step build build_cpu llama-bench && ft hw show --json > "$W/hw.json" &&
+        step synth synth_1b || return 1
+    local n=1
+    for objective in tg pp tg pp tg; do
+        step "study-$n" study_n "$n" "$objective"
+        n=$((n + 1))
+    done
+    table > "$W/table.md" 2>&1
+}
+
+collect() {  # at most 8 files come back
+    [ -f "$W/table.md" ] && cp "$W/table.md" "$OUT/"
+    [ -f "$W/env.txt" ] && cp "$W/env.txt" "$OUT/"
+    cat "$W"/outcome-*.json > "$OUT/outcomes.json" 2>/dev/null
+    cat "$W"/verify-*.json > "$OUT/verify.json" 2>/dev/null
+    for f in hw.json tune-1.log tune-2.log tune-3.log tune-4.log tune-5.log verify-1.log verify-2.log verify-3.log \
+             verify-4.log verify-5.log; do
+        [ -f "$W/$f" ] && { echo "===== $f"; cat "$W/$f"; }
+    done > "$OUT/printed.txt" 2>/dev/null
+    [ -f "$W/build.ok" ] || { [ -f "$W/build.log" ] && tail -c 20000 "$W/build.log" >> "$OUT/printed.txt"; }
+    [ -f "$W/claims-cpu.db" ] && cp "$W/claims-cpu.db" "$OUT/"
+    return 0
+}
+
+main "$@"
