@@ -49,12 +49,13 @@ build_shared() {  # TARGETS...: one CMake build of the vendored llama.cpp (CUDA 
 }
 
 build_cpu() {  # TARGETS...: the same vendored llama.cpp built for the CPU only (no CUDA), shared
-    # libraries that llama-cpp-python loads too: both tools run the same compiled code
+    # libraries that llama-cpp-python loads too: both tools run the same compiled code. $CPU_FLAGS
+    # (e.g. "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16") go to the C and C++ compilers.
     rm -rf "$W/src" && mkdir -p "$W/src" && tar xJf "$D/llama-src.tar.xz" -C "$W/src" || return 1
     local py=$W/src/llama_cpp_python-$LLAMA_SRC_VERSION
     cmake -S "$py/vendor/llama.cpp" -B "$W/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF \
         -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-        -DLLAMA_CURL=OFF > "$W/build.log" 2>&1 &&
+        -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS="${CPU_FLAGS:-}" -DCMAKE_CXX_FLAGS="${CPU_FLAGS:-}" > "$W/build.log" 2>&1 &&
     cmake --build "$W/build" --target "$@" -j "$(nproc)" >> "$W/build.log" 2>&1 || return 1
     rm -rf /tmp/site/llama_cpp && cp -r "$py/llama_cpp" /tmp/site/llama_cpp && rm -rf /tmp/site/llama_cpp/lib &&
     ln -s "$W/build/bin" /tmp/site/llama_cpp/lib &&
