@@ -254,6 +254,10 @@ def read_model_info(path: str | os.PathLike, sha256: str | None = None) -> Model
             n_head=n_head,
             n_head_kv=_opt_int(_field(reader, f"{arch}.attention.head_count_kv")) or n_head,
             tied_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+            head_dim=_opt_int(_field(reader, f"{arch}.attention.key_length")) or 0,
+            n_expert=_opt_int(_field(reader, f"{arch}.expert_count")) or 0,
+            n_expert_used=_opt_int(_field(reader, f"{arch}.expert_used_count")) or 0,
+            n_ff_exp=_opt_int(_field(reader, f"{arch}.expert_feed_forward_length")) or 0,
         )
     except BadInput:
         raise
@@ -329,8 +333,10 @@ def _atomic_copy(src: Path, dest: Path) -> None:
 def arch_shape(n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, n_vocab: int,
                context_length: int, rope_theta: float, **extras) -> ModelInfo:
     """An architecture's shape with no file behind it (``named_as`` gives it an identity); ``extras``
-    are the fields past the llama layout (``tied_embeddings``, ``head_dim``, experts, ...)."""
-    shape = ModelInfo(sha256="", path="", name="", architecture="llama", n_layer=n_layer, n_params=0,
+    are the fields past the llama layout (``architecture``, ``tied_embeddings``, ``head_dim``,
+    experts, ...)."""
+    architecture = extras.pop("architecture", "llama")
+    shape = ModelInfo(sha256="", path="", name="", architecture=architecture, n_layer=n_layer, n_params=0,
                       file_type="F16", size_bytes=0, context_length=context_length, n_embd=n_embd,
                       n_vocab=n_vocab, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rope_theta=rope_theta,
                       **extras)
@@ -344,7 +350,15 @@ ARCH_SHAPES = {
     "llama3.2-1b": arch_shape(16, 2048, 8192, 32, 8, 128256, 8192, 500000.0),
     "llama2-13b": arch_shape(40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
     "tiny": arch_shape(2, 64, 128, 4, 2, 32000, 512, 10000.0),  # for tests: loads in milliseconds
+    # Qwen3's layouts (llama.cpp's qwen3 and qwen3moe: heads of 128 wider than n_embd / n_head,
+    # RMS norms on each head's q and k); the MoE's experts are 3-D tensors, one slice per expert
+    "qwen3-14b": arch_shape(40, 5120, 17408, 40, 8, 151936, 40960, 1e6, architecture="qwen3", head_dim=128),
+    "qwen3-30b-a3b": arch_shape(48, 2048, 6144, 32, 4, 151936, 40960, 1e6, architecture="qwen3moe",
+                                head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768),
+    "tiny-moe": arch_shape(2, 64, 128, 4, 2, 32000, 512, 1e6, architecture="qwen3moe", head_dim=32,
+                           n_expert=4, n_expert_used=2, n_ff_exp=64),  # for tests
 }
+SYNTH_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")  # the layouts synth_plan writes
 
 
 def named_as(shape: ModelInfo, name: str, quant: str) -> ModelInfo:
@@ -374,10 +388,11 @@ class TensorPlan:
     rows: int  # output features (numpy's first axis; ggml's ne[1])
     cols: int  # input features (ggml's ne[0])
     qtype: str  # "f32", "f16" or a key of _BLOCKS
+    experts: int = 0  # a mixture's expert tensor: this many (rows x cols) slices (ggml's ne[2]); 0: 2-D
 
     @property
     def n_elements(self) -> int:
-        return self.rows * self.cols
+        return max(1, self.experts) * self.rows * self.cols
 
     @property
     def nbytes(self) -> int:
@@ -396,8 +411,11 @@ def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list
     quant = quant.lower()
     if quant not in _FILE_TYPES:
         raise BadInput(f"cannot synthesise {quant!r}; choose from {', '.join(SYNTH_QUANTS)}")
+    if shape.architecture not in SYNTH_ARCHITECTURES:
+        raise BadInput(f"cannot synthesise the {shape.architecture} layout; known: {', '.join(SYNTH_ARCHITECTURES)}")
     vocab = n_vocab or shape.n_vocab
-    embd, kv = shape.n_embd, shape.n_embd * shape.n_head_kv // shape.n_head
+    embd, hd = shape.n_embd, shape.hd
+    q, kv = shape.n_head * hd, shape.n_head_kv * hd
     output_type = quant
     if quant in ("q4_0", "q4_1"):
         output_type = "q6_k" if embd % 256 == 0 else "q8_0"
@@ -406,15 +424,29 @@ def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list
         block = f"blk.{i}."
         plan += [
             TensorPlan(block + "attn_norm.weight", 1, embd, "f32"),
-            TensorPlan(block + "attn_q.weight", embd, embd, quant),
+            TensorPlan(block + "attn_q.weight", q, embd, quant),
             TensorPlan(block + "attn_k.weight", kv, embd, quant),
             TensorPlan(block + "attn_v.weight", kv, embd, quant),
-            TensorPlan(block + "attn_output.weight", embd, embd, quant),
-            TensorPlan(block + "ffn_norm.weight", 1, embd, "f32"),
-            TensorPlan(block + "ffn_gate.weight", shape.n_ff, embd, quant),
-            TensorPlan(block + "ffn_up.weight", shape.n_ff, embd, quant),
-            TensorPlan(block + "ffn_down.weight", embd, shape.n_ff, quant),
+            TensorPlan(block + "attn_output.weight", embd, q, quant),
         ]
+        if shape.architecture != "llama":
+            plan += [TensorPlan(block + "attn_q_norm.weight", 1, hd, "f32"),
+                     TensorPlan(block + "attn_k_norm.weight", 1, hd, "f32")]
+        plan.append(TensorPlan(block + "ffn_norm.weight", 1, embd, "f32"))
+        if shape.n_expert:
+            n, ff = shape.n_expert, shape.n_ff_exp
+            plan += [
+                TensorPlan(block + "ffn_gate_inp.weight", n, embd, "f32"),  # the router, as quantizers keep it
+                TensorPlan(block + "ffn_gate_exps.weight", ff, embd, quant, experts=n),
+                TensorPlan(block + "ffn_up_exps.weight", ff, embd, quant, experts=n),
+                TensorPlan(block + "ffn_down_exps.weight", embd, ff, quant, experts=n),
+            ]
+        else:
+            plan += [
+                TensorPlan(block + "ffn_gate.weight", shape.n_ff, embd, quant),
+                TensorPlan(block + "ffn_up.weight", shape.n_ff, embd, quant),
+                TensorPlan(block + "ffn_down.weight", embd, shape.n_ff, quant),
+            ]
     plan += [TensorPlan("output_norm.weight", 1, embd, "f32"),
              TensorPlan("output.weight", vocab, embd, output_type)]
     for tensor in plan:
@@ -428,6 +460,9 @@ def _random_tensor(tensor: TensorPlan, rng) -> np.ndarray:
     # numpy stays out of this module's imports: the bench subprocess imports it, and numpy must
     # not be loaded before llama.cpp's CUDA build loads a model (that order crashes with SIGSEGV).
     import numpy as np
+    if tensor.experts:  # one random 2-D slice per expert, stacked
+        one = replace(tensor, experts=0)
+        return np.stack([_random_tensor(one, rng) for _ in range(tensor.experts)])
     if tensor.qtype == "f32":
         return np.ones((tensor.rows, tensor.cols), dtype=np.float32)
     if tensor.qtype == "f16":
@@ -487,7 +522,7 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
     shape = ARCH_SHAPES[shape_name]
     target = check_writable(out)
     part = part_path(target)
-    writer = gguf.GGUFWriter(str(part), "llama")
+    writer = gguf.GGUFWriter(str(part), shape.architecture)
     try:
         n_vocab = _copy_tokenizer(writer, vocab_from)
         plan = synth_plan(shape, quant, n_vocab)
@@ -501,14 +536,22 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
         writer.add_feed_forward_length(shape.n_ff)
         writer.add_head_count(shape.n_head)
         writer.add_head_count_kv(shape.n_head_kv)
-        writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+        writer.add_rope_dimension_count(shape.hd)
+        if shape.head_dim:
+            writer.add_key_length(shape.head_dim)
+            writer.add_value_length(shape.head_dim)
+        if shape.n_expert:
+            writer.add_expert_count(shape.n_expert)
+            writer.add_expert_used_count(shape.n_expert_used)
+            writer.add_expert_feed_forward_length(shape.n_ff_exp)
         writer.add_rope_freq_base(shape.rope_theta)
         writer.add_layer_norm_rms_eps(shape.norm_eps)
         writer.add_vocab_size(n_vocab)
         for tensor in plan:
             if tensor.qtype in _BLOCKS:
-                byte_shape = (tensor.rows, tensor.n_elements // tensor.rows // _BLOCKS[tensor.qtype][1]
-                              * _BLOCKS[tensor.qtype][0])
+                byte_shape = (tensor.rows, tensor.cols // _BLOCKS[tensor.qtype][1] * _BLOCKS[tensor.qtype][0])
+                if tensor.experts:
+                    byte_shape = (tensor.experts, *byte_shape)
                 writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), tensor.nbytes,
                                        raw_dtype=gguf.GGMLQuantizationType[tensor.qtype.upper()])
             else:
