@@ -112,23 +112,19 @@ def test_model_synth_command_writes_and_registers(tmp_path, model_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory, model_path):
-    out = tmp_path_factory.mktemp("synth") / "tiny-moe.gguf"
-    return synthesize("tiny-moe", "q4_0", model_path, out, seed=1)
-
-
-def test_a_mixture_of_experts_loads_and_decodes_in_llama_cpp(tiny_moe):
-    """Qwen3-MoE's layout (llama.cpp's qwen3moe: 3-D expert tensors, a router, per-head q/k norms)
-    is read back with its experts, and llama.cpp runs it."""
+@pytest.mark.parametrize(("shape_name", "architecture"), [("tiny-moe", "qwen3moe"), ("tiny-oss", "gpt-oss")])
+def test_a_mixture_of_experts_loads_and_decodes_in_llama_cpp(shape_name, architecture, tmp_path, model_path):
+    """Qwen3-MoE's layout (3-D expert tensors, a router, per-head q/k norms) and gpt-oss's (biases,
+    attention sinks, sliding windows) are read back with their experts, and llama.cpp runs them."""
     from llama_cpp import Llama
 
-    shape = ARCH_SHAPES["tiny-moe"]
-    assert tiny_moe.architecture == "qwen3moe"
-    assert (tiny_moe.n_expert, tiny_moe.n_expert_used, tiny_moe.n_ff_exp, tiny_moe.head_dim) == (
+    shape = ARCH_SHAPES[shape_name]
+    model = synthesize(shape_name, "q4_0", model_path, tmp_path / f"{shape_name}.gguf", seed=1)
+    assert model.architecture == architecture
+    assert (model.n_expert, model.n_expert_used, model.n_ff_exp, model.head_dim) == (
         shape.n_expert, shape.n_expert_used, shape.n_ff_exp, shape.head_dim)
-    assert tiny_moe.n_params == sum(t.n_elements for t in synth_plan(shape, "q4_0", tiny_moe.n_vocab))
-    llm = Llama(tiny_moe.path, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    assert model.n_params == sum(t.n_elements for t in synth_plan(shape, "q4_0", model.n_vocab))
+    llm = Llama(model.path, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
     tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog")
     llm.eval(tokens)
     logits = np.asarray(llm.scores[: len(tokens)])
@@ -136,13 +132,17 @@ def test_a_mixture_of_experts_loads_and_decodes_in_llama_cpp(tiny_moe):
     llm.close()
 
 
-@pytest.mark.parametrize(("name", "published", "experts"), [("qwen3-14b", 14.8e9, 0), ("qwen3-30b-a3b", 30.5e9, 128)])
-def test_qwen3_plans_have_the_published_sizes(name, published, experts):
-    """Qwen's model cards: Qwen3-14B 14.8 B parameters, Qwen3-30B-A3B 30.5 B (3.3 B active)."""
+@pytest.mark.parametrize(("name", "published", "active", "outputs"), [
+    ("qwen3-14b", 14.8e9, None, 2),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, 2),  # Qwen's card: 30.5 B, 3.3 B activated
+    ("gpt-oss-20b", 20.9e9, 3.6e9, 1),  # OpenAI's card: 20.9 B, 3.6 B active (the embedding not counted)
+])
+def test_the_plans_have_the_published_sizes(name, published, active, outputs):
     shape = ARCH_SHAPES[name]
     plan = synth_plan(shape, "q4_0")
     assert sum(t.n_elements for t in plan) == pytest.approx(published, rel=0.005)
-    assert sum(t.experts == experts for t in plan if t.name.endswith("_exps.weight")) == (3 * shape.n_layer if experts else 0)
-    if experts:
-        active = shape.n_layer * shape.active_layer_params + 2 * shape.output_params
-        assert active == pytest.approx(3.3e9, rel=0.03)
+    experts = [t for t in plan if t.name.endswith("_exps.weight")]
+    assert len(experts) == (3 * shape.n_layer if shape.n_expert else 0)
+    assert all(t.experts == shape.n_expert for t in experts)
+    if active:
+        assert shape.n_layer * shape.active_layer_params + outputs * shape.output_params == pytest.approx(active, rel=0.03)

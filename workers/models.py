@@ -357,8 +357,16 @@ ARCH_SHAPES = {
                                 head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768),
     "tiny-moe": arch_shape(2, 64, 128, 4, 2, 32000, 512, 1e6, architecture="qwen3moe", head_dim=32,
                            n_expert=4, n_expert_used=2, n_ff_exp=64),  # for tests
+    # gpt-oss's layout (llama.cpp's gpt-oss: biases on attention and experts, attention sinks,
+    # sliding-window attention every other layer); the real file's MXFP4 experts written in the
+    # file's type instead
+    "gpt-oss-20b": arch_shape(24, 2880, 2880, 64, 8, 201088, 131072, 150000.0, architecture="gpt-oss",
+                              head_dim=64, n_expert=32, n_expert_used=4, n_ff_exp=2880),
+    "tiny-oss": arch_shape(2, 64, 64, 4, 2, 32000, 512, 150000.0, architecture="gpt-oss", head_dim=16,
+                           n_expert=4, n_expert_used=2, n_ff_exp=64),  # for tests
 }
-SYNTH_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")  # the layouts synth_plan writes
+SYNTH_ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "gpt-oss")  # the layouts synth_plan writes
+SLIDING_WINDOW = {"gpt-oss": 128}  # tokens a sliding-window layer attends to
 
 
 def named_as(shape: ModelInfo, name: str, quant: str) -> ModelInfo:
@@ -422,6 +430,7 @@ def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list
     plan = [TensorPlan("token_embd.weight", vocab, embd, quant)]
     for i in range(shape.n_layer):
         block = f"blk.{i}."
+        oss = shape.architecture == "gpt-oss"
         plan += [
             TensorPlan(block + "attn_norm.weight", 1, embd, "f32"),
             TensorPlan(block + "attn_q.weight", q, embd, quant),
@@ -429,10 +438,15 @@ def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list
             TensorPlan(block + "attn_v.weight", kv, embd, quant),
             TensorPlan(block + "attn_output.weight", embd, q, quant),
         ]
-        if shape.architecture != "llama":
+        if shape.architecture in ("qwen3", "qwen3moe"):
             plan += [TensorPlan(block + "attn_q_norm.weight", 1, hd, "f32"),
                      TensorPlan(block + "attn_k_norm.weight", 1, hd, "f32")]
-        plan.append(TensorPlan(block + "ffn_norm.weight", 1, embd, "f32"))
+        if oss:
+            plan += [TensorPlan(block + "attn_q.bias", 1, q, "f32"), TensorPlan(block + "attn_k.bias", 1, kv, "f32"),
+                     TensorPlan(block + "attn_v.bias", 1, kv, "f32"),
+                     TensorPlan(block + "attn_output.bias", 1, embd, "f32"),
+                     TensorPlan(block + "attn_sinks.weight", 1, shape.n_head, "f32")]
+        plan.append(TensorPlan(block + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), 1, embd, "f32"))
         if shape.n_expert:
             n, ff = shape.n_expert, shape.n_ff_exp
             plan += [
@@ -441,6 +455,11 @@ def synth_plan(shape: ModelInfo, quant: str, n_vocab: int | None = None) -> list
                 TensorPlan(block + "ffn_up_exps.weight", ff, embd, quant, experts=n),
                 TensorPlan(block + "ffn_down_exps.weight", embd, ff, quant, experts=n),
             ]
+            if oss:
+                plan += [TensorPlan(block + "ffn_gate_inp.bias", 1, n, "f32"),
+                         TensorPlan(block + "ffn_gate_exps.bias", n, ff, "f32"),
+                         TensorPlan(block + "ffn_up_exps.bias", n, ff, "f32"),
+                         TensorPlan(block + "ffn_down_exps.bias", n, embd, "f32")]
         else:
             plan += [
                 TensorPlan(block + "ffn_gate.weight", shape.n_ff, embd, quant),
@@ -463,8 +482,8 @@ def _random_tensor(tensor: TensorPlan, rng) -> np.ndarray:
     if tensor.experts:  # one random 2-D slice per expert, stacked
         one = replace(tensor, experts=0)
         return np.stack([_random_tensor(one, rng) for _ in range(tensor.experts)])
-    if tensor.qtype == "f32":
-        return np.ones((tensor.rows, tensor.cols), dtype=np.float32)
+    if tensor.qtype == "f32":  # norms (and attention sinks) 1, biases 0
+        return np.full((tensor.rows, tensor.cols), 0.0 if tensor.name.endswith(".bias") else 1.0, dtype=np.float32)
     if tensor.qtype == "f16":
         return (rng.standard_normal((tensor.rows, tensor.cols), dtype=np.float32) * _WEIGHT_STD
                 ).astype(np.float16)
@@ -540,6 +559,8 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
         if shape.head_dim:
             writer.add_key_length(shape.head_dim)
             writer.add_value_length(shape.head_dim)
+        if shape.architecture in SLIDING_WINDOW:
+            writer.add_sliding_window(SLIDING_WINDOW[shape.architecture])
         if shape.n_expert:
             writer.add_expert_count(shape.n_expert)
             writer.add_expert_used_count(shape.n_expert_used)
