@@ -434,6 +434,9 @@ def _progress_printer(console):
               help="Most rounds of the interleaved confirmation (at least 3; default 5, or $FLEETTUNE_CONFIRM_ROUNDS).")
 @click.option("--allow-lossy", is_flag=True,
               help="Also search the K/V cache types (they change the outputs; their KL divergence is measured).")
+@click.option("--gpu-budget", metavar="SIZE", default=None,
+              help="GPU memory the study may use (8GiB, 16GB, 8192MiB; at most what the GPU has): "
+                   "configurations estimated over it are never loaded.")
 @click.option("--warm-start/--no-warm-start", "warm", default=True, show_default=True,
               help="Measure first what the fleet predicts for this chip and the best configurations "
                    "of the nearest known chips.")
@@ -441,8 +444,8 @@ def _progress_printer(console):
 @db_option
 @output_options()
 def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, sampler, study_name, resume,
-         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, confirm_rounds, allow_lossy, warm,
-         quiet, db_url, fmt) -> None:
+         chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, confirm_rounds, allow_lossy, gpu_budget,
+         warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
@@ -456,7 +459,7 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, s
         workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens, depth=depth), reps=reps,
         n_trials=trials, sampler=sampler, name=study_name, resume=resume, seed=seed,
         timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top, allow_lossy=allow_lossy,
-        **({} if confirm_rounds is None else {"confirm_rounds": confirm_rounds}),
+        gpu_budget=gpu_budget, **({} if confirm_rounds is None else {"confirm_rounds": confirm_rounds}),
     )
     cfg.validate()
     console = Console(stderr=True)

@@ -45,6 +45,7 @@ from workers.knobs import BY_FIELD as _K
 from workers.models import ModelInfo
 from workers.objective import TG, Objective
 from workers.objective import objective as objective_named
+from workers.placement import gpu_need, gpu_working_set
 from workers.trial import BenchParams
 
 _N = {name: knob.optuna_name for name, knob in _K.items()}  # each knob's Optuna parameter name
@@ -54,7 +55,6 @@ MAX_BATCH = 4096
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
 FLASH_ATTN_MODES = ("off", "on", "auto")
 LLAMA_CPP_BATCH, LLAMA_CPP_UBATCH = 2048, 512  # llama.cpp's own -b and -ub
-WORKING_SET_FRACTION = 0.75  # the share of unified memory Metal lets the GPU wire by default
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -75,15 +75,6 @@ class MoeLayout:
 
     n_expert: int
     expert_bytes: int  # bytes of every layer's expert tensors together
-
-
-def gpu_working_set(fp: Fingerprint) -> int | None:
-    """Bytes the GPU can hold: a discrete GPU's memory, or the wired share of unified memory."""
-    if not fp.gpu_offload:
-        return None
-    if fp.gpu_memory_bytes:
-        return fp.gpu_memory_bytes
-    return int(fp.memory_bytes * WORKING_SET_FRACTION) if fp.memory_bytes else None
 
 
 def moe_layout(model: ModelInfo) -> MoeLayout | None:
@@ -130,10 +121,12 @@ class SearchSpace:
     tune_batch: bool = True  # batch and ubatch searched (False: llama.cpp's defaults, clipped)
     threads_log: bool = False  # threads proposed on a log scale (1 -> 2 weighs as 8 -> 16)
     switches: tuple[str, ...] = ()  # further knobs searched over all their choices in every trial
+    gpu_budget_bytes: int = 0  # issue 23.1: configurations estimated over it are refused; 0: no budget
 
     @classmethod
     def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: Objective = TG,
-                   moe: MoeLayout | None = None, depth: int = 0, lossy: bool = False) -> SearchSpace:
+                   moe: MoeLayout | None = None, depth: int = 0, lossy: bool = False,
+                   gpu_budget: int | None = None) -> SearchSpace:
         prompt = objective_named(objective).needs_prompt and n_prompt > 0
         # Where the batch is not searched it stays at llama.cpp's default, clipped to the most
         # tokens one decode can get: the prompt's, or the depth's, which fill the KV cache with that
@@ -145,7 +138,7 @@ class SearchSpace:
         threads = logical
         if fp.p_cores and fp.p_cores < logical:
             threads = fp.p_cores  # efficiency cores or SMT siblings pace every step (see above)
-        working_set = gpu_working_set(fp)
+        working_set = gpu_budget or gpu_working_set(fp)
         cpu_moe = 0
         if moe is not None and working_set is not None and model.size_bytes > working_set:
             cpu_moe = model.n_layer
@@ -162,7 +155,18 @@ class SearchSpace:
             threads_log=True,
             switches=tuple(name for name in SWITCHES if (fp.gpu_offload or not _K[name].gpu_only)
                            and (moe is not None or not _K[name].moe_only)),
+            gpu_budget_bytes=gpu_budget or 0,
         )
+
+    def over_budget(self, params: BenchParams, model: ModelInfo, n_ctx: int) -> str | None:
+        """Why ``params`` must not be loaded (its estimated GPU memory over the study's budget), or
+        None (no budget, or it fits)."""
+        if not self.gpu_budget_bytes or params.n_gpu_layers <= 0:
+            return None
+        need = gpu_need(model, params, n_ctx)
+        if need.total <= self.gpu_budget_bytes:
+            return None
+        return f"over the GPU budget: needs {need.describe()} > {self.gpu_budget_bytes / 1024**3:.2f} GiB (estimated)"
 
     def to_dict(self) -> dict:
         return asdict(self)

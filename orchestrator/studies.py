@@ -48,6 +48,7 @@ from orchestrator.space import (
     predicted_optimum,
 )
 from orchestrator.stopping import StopRequest
+from workers import placement
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
 from workers.knobs import check_on_node as validate_params
@@ -151,6 +152,7 @@ class StudyConfig:
     reps: int | None = None  # overrides workload.reps when given
     allow_lossy: bool = False  # issue 20.4: search the K/V cache types (they change the outputs)
     confirm_rounds: int = field(default_factory=lambda: default_confirm_rounds())  # issue 20.2: budget of rounds
+    gpu_budget: str | None = None  # issue 23.1: "8GiB"; configurations estimated over it are not loaded
 
     def __post_init__(self) -> None:
         if isinstance(self.objective, str) and self.objective in OBJECTIVES:
@@ -177,6 +179,8 @@ class StudyConfig:
             raise BadInput(f"--confirm-rounds {self.confirm_rounds}: must be >= {CONFIRM_MIN_ROUNDS}")
         if self.workload.reps < 1:
             raise BadInput(f"--reps {self.workload.reps}: must be >= 1")
+        if self.gpu_budget is not None and placement.parse_size(self.gpu_budget) <= 0:
+            raise BadInput(f"--gpu-budget {self.gpu_budget!r}: must be more than 0 bytes")
         obj.check_workload(self.workload.n_prompt, self.workload.n_gen)
         check_depth(self.workload, self.model)
         validate_workload(self.workload, self.model)
@@ -339,8 +343,10 @@ class SamplerJobs(_Counted):
     phase = "search"
 
     def __init__(self, study: optuna.Study, space: SearchSpace, budget: int,
-                 failed: set[str] | None = None, seen: dict[str, int] | None = None) -> None:
+                 failed: set[str] | None = None, seen: dict[str, int] | None = None,
+                 refuse: Callable[[BenchParams], str | None] | None = None) -> None:
         self.study, self.space, self.total = study, space, budget
+        self.refuse = refuse or (lambda params: None)  # why a configuration must not be loaded (issue 23.1)
         # counted once here, then kept up to date locally: re-reading the study every round costs
         # the head a database read per trial, which a large fleet of short trials notices
         trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
@@ -372,19 +378,21 @@ class SamplerJobs(_Counted):
         return self.worst * 0.5 if self.maximize else self.worst * 2
 
     def _propose(self) -> Job | None:
-        """The sampler's next configuration that has not failed before (issue 20.6); one it proposes
-        again is told the penalised value at once, never dispatched. None: it proposes nothing else."""
+        """The sampler's next configuration that has not failed before (issue 20.6) and may be
+        loaded (issue 23.1: within the GPU budget); one it proposes that may not is told the
+        penalised value at once, never dispatched. None: it proposes nothing else."""
         for _ in range(MAX_FAILED_PROPOSALS):
             trial = self.study.ask()
             params = self.space.suggest(trial)
             key = learn.config_key(params)
-            if key not in self.failed:
+            reason = "failed before" if key in self.failed else self.refuse(params)
+            if reason is None:
                 return Job("search", params, trial=trial, losses=self.losses.get(key, 0))
-            trial.set_user_attr(PENALISED, "failed before")
+            trial.set_user_attr(PENALISED, reason)
             self.study.tell(trial, self.penalty())
-        log.warning("the %s sampler proposed only configurations that failed before (%d in a row); "
-                    "the search ends with %d trials", type(self.study.sampler).__name__, MAX_FAILED_PROPOSALS,
-                    self._done)
+        log.warning("the %s sampler proposed only configurations that failed before or may not be loaded "
+                    "(%d in a row); the search ends with %d trials", self.study.sampler.__class__.__name__,
+                    MAX_FAILED_PROPOSALS, self._done)
         self.total = self._done + self.running + len(self.proposals)
         return None
 
@@ -627,8 +635,10 @@ class StudyRunner:
         cfg.validate()
         for params in self.baselines.values():
             validate_params(params, fp, cfg.model)
+        budget = placement.parse_budget(cfg.gpu_budget, fp) if cfg.gpu_budget else None
         space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
-                                       moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy)
+                                       moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy,
+                                       gpu_budget=budget)
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
@@ -791,7 +801,10 @@ class StudyRunner:
             missing = [(p, None) for p in self.baselines.values() if learn.config_key(p) not in measured]
             if missing:  # a study resumed from before the second baseline measures it now
                 self._drive(FixedJobs("baseline", missing, self.alive_nodes))
-            self._drive(SamplerJobs(self.optuna_study, self.space, self.budget, *self._search_memory()))
+            w = self.cfg.workload
+            n_ctx = w.depth + w.n_prompt + w.n_gen
+            self._drive(SamplerJobs(self.optuna_study, self.space, self.budget, *self._search_memory(),
+                                    refuse=lambda params: self.space.over_budget(params, self.cfg.model, n_ctx)))
             confirm = self._confirm_rounds()
             if confirm is not None:
                 self._drive(confirm)

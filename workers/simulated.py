@@ -57,6 +57,7 @@ from importlib import resources
 
 import numpy as np
 
+from workers import placement
 from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint, apple_bins, chip_table
 from workers.models import (
@@ -71,6 +72,7 @@ from workers.models import (
 )
 from workers.objective import TG, Objective
 from workers.objective import objective as named_objective
+from workers.placement import KV_BYTES, WORKING_SET_FRACTION
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
 
 # Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
@@ -86,7 +88,6 @@ BASE_MEMORY_GB = {
 # Dequantisation cost class of each type (the fit has one constant per class).
 QUANT_CLASS = {"f16": "f16", "q8_0": "q8", "q6_k": "q8", "q5_k_m": "q4", "q5_0": "q4", "q5_1": "q4",
                "q4_k_m": "q4", "q4_k_s": "q4", "q4_1": "q4", "q4_0": "q4", "q3_k_m": "q4", "q2_k": "q4"}
-WORKING_SET_FRACTION = 0.75
 
 
 def fanless(chip: Fingerprint) -> bool:
@@ -379,7 +380,6 @@ def _thread_speed(chip: Fingerprint, threads: int) -> float:
     return cores * E_CORE_SPEED / OVERSUBSCRIBED_PENALTY * cores / threads
 
 
-KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per cached value (ggml's blocks)
 CAL_PP_CTX = 256  # mean position a pp512 token attends to: the context of the fitted constants
 CAL_TG_CTX = 64  # the same for tg128
 OP_OFFLOAD_MIN_BATCH = 32  # ggml-metal's offload_op: matmuls of host weights from this batch size up
@@ -435,15 +435,12 @@ def predict(
     gpu_layers = min(ngl, L)
     cpu_layers = L - gpu_layers
     out_on_gpu = ngl > L
-    # experts kept in host memory: the first n_cpu_moe layers, of those the GPU would hold
-    moe_cpu = max(0, min(params.n_cpu_moe, L) - cpu_layers) if shape.n_expert and gpu_layers else 0
+    moe_cpu = placement.experts_on_cpu(shape, params)  # offloaded layers whose experts stay in host memory
     expert_all = shape.expert_params
     expert_active = expert_all * shape.n_expert_used / shape.n_expert if shape.n_expert else 0.0
     layer_params, active_params = shape.layer_params, shape.active_layer_params
     out_params = shape.output_params
-    # weights held (memory) and read per token (tg), each side
-    gpu_held = shape.bytes_of(gpu_layers * layer_params - moe_cpu * expert_all
-                              + (out_params if out_on_gpu else 0.0))
+    # weights read per token (tg), each side
     gpu_read_params = gpu_layers * active_params - moe_cpu * expert_active + (out_params if out_on_gpu else 0.0)
     cpu_read_params = cpu_layers * active_params + moe_cpu * expert_active + (0.0 if out_on_gpu else out_params)
     gpu_bytes, cpu_bytes = shape.bytes_of(gpu_read_params), shape.bytes_of(cpu_read_params)
@@ -457,8 +454,7 @@ def predict(
     kv_per_pos = shape.kv_elements * (KV_BYTES[params.type_k] + KV_BYTES[params.type_v])  # per layer
     kv_f16_per_pos = shape.kv_elements * 2 * KV_BYTES["f16"]
     n_ctx = depth + n_prompt + n_gen
-    kv_bytes = kv_per_pos * n_ctx * gpu_layers
-    need = gpu_held + kv_bytes + params.n_ubatch * shape.n_embd * 64
+    need = placement.gpu_need(shape, params, n_ctx).total  # weights, KV cache and compute buffers held
     limit = chip.memory_bytes * WORKING_SET_FRACTION
     if gpu_layers and need > limit:
         return Prediction(0.0, 0.0, need, False,

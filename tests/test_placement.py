@@ -1,0 +1,86 @@
+"""A GPU memory budget (issue 23.1): one estimate of what a configuration places on the GPU, the
+user's budget checked against the device, and a study that never loads a configuration over it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator.cli import main
+from orchestrator.db import open_database, repo
+from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner
+from orchestrator.virtual import VirtualFleet
+from workers import placement, simulated
+from workers.errors import BadInput
+from workers.hardware import GIB
+from workers.models import ARCH_SHAPES
+from workers.trial import BenchParams, Workload
+
+CHIP = simulated.parse_chip("M2 Max/38/64")  # a 48 GiB working set
+DENSE = simulated.sim_model_info("sim://llama2-13b/q4_0")  # about 6.9 GiB of weights
+
+
+def test_sizes_parse_in_both_unit_systems_and_anything_else_is_refused():
+    assert placement.parse_size("8GiB") == 8 * GIB
+    assert placement.parse_size("16 GB") == 16 * 1000**3
+    assert placement.parse_size("8192MiB") == 8 * GIB
+    assert placement.parse_size("1.5g") == 1_500_000_000
+    for bad in ("", "abc", "-1GiB", "8XB", "8 GiB GiB"):
+        with pytest.raises(BadInput):
+            placement.parse_size(bad)
+
+
+def test_a_budget_is_positive_and_no_more_than_the_gpu_has():
+    assert placement.parse_budget("8GiB", CHIP) == 8 * GIB
+    for bad in ("0", "0GiB", "49GiB", "1TiB"):
+        with pytest.raises(BadInput):
+            placement.parse_budget(bad, CHIP)
+    with pytest.raises(BadInput, match="no GPU"):
+        placement.parse_budget("8GiB", replace(CHIP, gpu_offload=False))
+
+
+def test_the_estimate_counts_offloaded_layers_their_cache_and_experts_kept_on_the_cpu():
+    shape = ARCH_SHAPES["qwen3-30b-a3b"]
+    full = placement.gpu_need(shape, BenchParams(n_gpu_layers=99), 4096)
+    half = placement.gpu_need(shape, BenchParams(n_gpu_layers=24), 4096)
+    assert half.weights < full.weights / 2 and half.kv_cache == pytest.approx(full.kv_cache / 2)
+    moe = placement.gpu_need(shape, BenchParams(n_gpu_layers=99, n_cpu_moe=48), 4096)
+    assert moe.weights < full.weights / 10  # the experts are nearly all of a MoE's weights
+    no_kv = placement.gpu_need(shape, BenchParams(n_gpu_layers=99, no_kv_offload=True), 4096)
+    assert no_kv.kv_cache == 0 and no_kv.weights == full.weights
+    assert placement.gpu_need(shape, BenchParams(n_gpu_layers=0), 4096).total == 0
+
+
+def runner(url: str, **cfg) -> StudyRunner:
+    fleet = VirtualFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=3)
+    config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=12, sampler="tpe", seed=1, **cfg)
+    return StudyRunner(open_database(url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
+                       alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+
+
+def test_a_study_never_loads_a_configuration_over_its_budget(sqlite_url):
+    budget = 4 * GIB  # about 60 % of the model's weights
+    run = runner(sqlite_url, gpu_budget="4GiB", name="budget")
+    run.run()
+    with run.db.session() as s:
+        search = repo.study_trials(s, run.study_id, "search")
+    assert len(search) == 12
+    n_ctx = 512 + 128
+    needs = [placement.gpu_need(DENSE, BenchParams.from_dict(r.params), n_ctx).total for r in search]
+    assert max(needs) <= budget  # nothing over it was dispatched ...
+    assert any(n > budget / 2 for n in needs)  # ... and the search still used the GPU
+    refused = [t for t in run.optuna_study.trials if "over the GPU budget" in str(t.user_attrs.values())]
+    assert refused  # the sampler proposed some and was told the penalty instead
+    assert run.space.gpu_budget_bytes == budget  # stored with the study: a resumed one keeps it
+
+
+def test_a_bad_budget_is_one_line_and_exit_2(tmp_path):
+    for bad in ("0", "-1", "lots"):
+        result = CliRunner().invoke(main, ["tune", "sim://llama2-7b/q4_0", "--chip", "M2 Max/38/64",
+                                           "--gpu-budget", bad, "--trials", "1", "--db",
+                                           f"sqlite:///{tmp_path}/b.db"])
+        assert result.exit_code == 2, result.output
+        assert "--gpu-budget" in result.output and len(result.output.strip().splitlines()) == 1

@@ -1,0 +1,108 @@
+"""Where a configuration puts a model, and whether it fits a GPU memory budget (issue 23.1).
+
+One estimate of what a configuration asks of the GPU's memory, from the model's shape (a GGUF's
+metadata or a named shape) and the context, used by the simulator (its out-of-memory rule) and by
+a study (a configuration over the budget is refused before it is loaded):
+
+- weights: the offloaded layers' tensors (less the experts kept on the CPU by ``n_cpu_moe``),
+  and the output projection when ``n_gpu_layers`` exceeds the layer count (llama.cpp's rule);
+- KV cache: K and V of every context position in the offloaded layers, in their cache types
+  (none on the GPU with ``no_kv_offload``);
+- compute buffers: ``COMPUTE_BYTES_PER_UBATCH_EMBD`` bytes per micro-batch token and embedding
+  value (modelled, not calibrated).
+
+The budget is the GPU's memory as the device reports it (a discrete GPU's total, or the wired
+share of unified memory on a Mac: ``WORKING_SET_FRACTION``, Metal's default; ``iogpu.wired_limit_mb``
+raises it), or what the user gives (``--gpu-budget 8GiB``), never more than the device has.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from workers.errors import BadInput
+from workers.hardware import GIB, Fingerprint
+from workers.models import ModelInfo
+from workers.trial import BenchParams
+
+WORKING_SET_FRACTION = 0.75  # the share of unified memory Metal lets the GPU wire by default
+KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per cached value (ggml's blocks)
+COMPUTE_BYTES_PER_UBATCH_EMBD = 64  # compute buffers per micro-batch token and embedding value (modelled)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a configuration places in the GPU's memory, by kind."""
+
+    weights: float
+    kv_cache: float
+    compute: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache + self.compute
+
+    def describe(self) -> str:
+        return (f"{self.total / GIB:.2f} GiB (weights {self.weights / GIB:.2f}, KV cache {self.kv_cache / GIB:.2f}, "
+                f"compute {self.compute / GIB:.2f})")
+
+
+def gpu_layers(shape: ModelInfo, params: BenchParams) -> tuple[int, bool]:
+    """The repeating layers offloaded, and whether the output projection is (ngl > layers)."""
+    ngl = max(0, min(params.n_gpu_layers, shape.n_layer + 1))
+    return min(ngl, shape.n_layer), ngl > shape.n_layer
+
+
+def experts_on_cpu(shape: ModelInfo, params: BenchParams) -> int:
+    """Offloaded layers whose experts stay in host memory: the first ``n_cpu_moe`` layers, less
+    those the CPU holds whole anyway."""
+    on_gpu, _ = gpu_layers(shape, params)
+    if not shape.n_expert or not on_gpu:
+        return 0
+    return max(0, min(params.n_cpu_moe, shape.n_layer) - (shape.n_layer - on_gpu))
+
+
+def gpu_need(shape: ModelInfo, params: BenchParams, n_ctx: int) -> MemoryNeed:
+    """What ``params`` places in the GPU's memory for a context of ``n_ctx`` positions."""
+    on_gpu, output = gpu_layers(shape, params)
+    weights = shape.bytes_of(on_gpu * shape.layer_params - experts_on_cpu(shape, params) * shape.expert_params
+                             + (shape.output_params if output else 0.0))
+    per_position = shape.kv_elements * (KV_BYTES[params.type_k] + KV_BYTES[params.type_v])  # one layer
+    kv = 0.0 if getattr(params, "no_kv_offload", False) else per_position * n_ctx * on_gpu
+    compute = params.n_ubatch * shape.n_embd * COMPUTE_BYTES_PER_UBATCH_EMBD if on_gpu else 0.0
+    return MemoryNeed(weights, kv, compute)
+
+
+def gpu_working_set(fp: Fingerprint) -> int | None:
+    """Bytes the GPU can hold: a discrete GPU's memory, or the wired share of unified memory."""
+    if not fp.gpu_offload:
+        return None
+    if fp.gpu_memory_bytes:
+        return fp.gpu_memory_bytes
+    return int(fp.memory_bytes * WORKING_SET_FRACTION) if fp.memory_bytes else None
+
+
+def parse_size(text: str) -> int:
+    """"8GiB", "16 GB", "8192MiB", "512M", a number of bytes: bytes (BadInput otherwise)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise BadInput(f"--gpu-budget {text!r}: not a size; e.g. 8GiB, 16GB, 8192MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_budget(text: str, fp: Fingerprint) -> int:
+    """A GPU memory budget given by the user, checked against the device: positive, and no more
+    than the GPU's memory (or wired share) that ``fp`` reports."""
+    budget = parse_size(text)
+    if budget <= 0:
+        raise BadInput(f"--gpu-budget {text!r}: must be more than 0 bytes")
+    device = gpu_working_set(fp)
+    if device is None:
+        raise BadInput(f"--gpu-budget {text!r}: this machine's llama.cpp has no GPU to budget")
+    if budget > device:
+        raise BadInput(f"--gpu-budget {text!r}: more than the GPU has ({device / GIB:.1f} GiB)")
+    return budget
