@@ -59,7 +59,7 @@ def rows_of(record: dict) -> list[str]:
         if r["config"] == "recommendation":
             continue
         lines.append(f"| {record['n']} | {record['objective']} | {out.get('outcome')} | `{rec['llama_bench_flags']}` "
-                     f"| {r['config']} | {r.get('claimed')} | {r.get('measured')} | {r.get('claim_inside')} |")
+                     f"| {r['config']} | {r.get('claimed')} | {r.get('measured')} | {r.get('inside_claim')} |")
     return lines
 
 
@@ -81,15 +81,16 @@ def main() -> None:
         print(f"study {n}: {record['outcome'].get('outcome')} ({record['tune_s']:.0f} s + verify "
               f"{record['verify_s']:.0f} s)", file=sys.stderr, flush=True)
     print("| study | objective | outcome | recommendation (llama-bench) | baseline | fleettune claimed "
-          "| llama-bench measured | inside |")
+          "| llama-bench measured | llama-bench inside the claim |")
     print("|---:|---|---|---|---|---|---|---|")
     for record in records:
         print(*rows_of(record), sep="\n")
     claimed = [r for r in records if not str(r["outcome"].get("outcome", "")).startswith("no measurable")]
     against_defaults = [next(v for v in r["verify"] if v["config"] == "llama.cpp defaults") for r in records]
     confirmed = [v for r, v in zip(records, against_defaults, strict=True) if r in claimed and v.get("verdict") == "faster"]
-    inside = sum(bool(v.get("claim_inside")) for r in records for v in r["verify"] if "claim_inside" in v)
-    total = sum("claim_inside" in v for r in records for v in r["verify"])
+    # rule 20.7: llama-bench's ratio lies inside the interval fleettune claimed (verify's inside_claim)
+    inside = sum(bool(v.get("inside_claim")) for r in records for v in r["verify"] if "inside_claim" in v)
+    total = sum("inside_claim" in v for r in records for v in r["verify"])
     aa = [r["outcome"].get("noise_aa") for r in records]
     print(f"\n{len(records)} studies; {len(claimed)} claimed a gain over llama.cpp's defaults, {len(confirmed)} of them "
           f"confirmed by llama-bench; llama-bench's ratio inside the claimed interval {inside} of {total}; "
