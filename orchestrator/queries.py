@@ -53,6 +53,7 @@ def trial_rows(
                 "e2e_s": t.e2e_s,
                 "load_s": t.load_s,
                 "peak_rss_bytes": t.peak_rss_bytes,
+                "gpu_bytes": t.gpu_bytes,
                 "node": t.node.hostname if t.node else None,
                 "sim": t.simulated,
                 "started_at": t.started_at,

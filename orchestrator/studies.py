@@ -896,9 +896,15 @@ class StudyRunner:
             pp_m = result.pp.median if result.pp else None
             tg_m = result.tg.median if result.tg else None
             value = self.objective.value(pp_m, tg_m, w.n_prompt, w.n_gen)
+            budget = self.space.gpu_budget_bytes if self.space else 0
             if value is None:
                 result.ok, result.error = False, "no samples for the objective"
                 result.failure_kind = FailureKind.NO_SAMPLES.value
+            elif budget and (result.gpu_bytes or 0) > budget:  # issue 23.1: whatever its speed
+                result.ok, value = False, None
+                result.error = (f"over the GPU budget: llama.cpp allocated {result.gpu_bytes / 1024**3:.2f} GiB on the "
+                                f"GPU > {budget / 1024**3:.2f} GiB")
+                result.failure_kind = FailureKind.OVER_BUDGET.value
             else:
                 e2e = e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)
         return repo.FinishedTrial(job.row_id, result, value, e2e, self.target.node_ids.get(result.node_id or ""))

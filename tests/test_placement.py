@@ -3,6 +3,7 @@ user's budget checked against the device, and a study that never loads a configu
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from functools import partial
 
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 
 from orchestrator.cli import main
 from orchestrator.db import open_database, repo
-from orchestrator.studies import ChipTarget, StudyConfig, StudyRunner
+from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
 from orchestrator.virtual import VirtualFleet
 from workers import placement, simulated
 from workers.errors import BadInput
@@ -84,3 +85,48 @@ def test_a_bad_budget_is_one_line_and_exit_2(tmp_path):
                                            f"sqlite:///{tmp_path}/b.db"])
         assert result.exit_code == 2, result.output
         assert "--gpu-budget" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_llama_cpps_gpu_buffers_are_read_from_its_log():
+    from workers.bench import gpu_buffer_bytes
+
+    cuda = ("load_tensors:   CPU_Mapped model buffer size =   281.81 MiB\n"
+            "load_tensors:        CUDA0 model buffer size =  4155.99 MiB\n"
+            "llama_context:  CUDA_Host  output buffer size =     0.49 MiB\n"
+            "llama_kv_cache:      CUDA0 KV buffer size =   512.00 MiB\n"
+            "sched_reserve:      CUDA0 compute buffer size =   258.50 MiB\n"
+            "sched_reserve:  CUDA_Host compute buffer size =    24.01 MiB\n")
+    assert gpu_buffer_bytes(cuda) == int((4155.99 + 512 + 258.5) * 1024**2)
+    metal = ("load_tensors: Metal_Mapped model buffer size =  4096.00 MiB\n"
+             "llama_kv_cache:        Metal KV buffer size =   256.00 MiB\n")
+    assert gpu_buffer_bytes(metal) == (4096 + 256) * 1024**2
+    cpu = ("load_tensors:   CPU_Mapped model buffer size =    92.10 MiB\n"
+           "llama_kv_cache:        CPU KV buffer size =    11.25 MiB\n")
+    assert gpu_buffer_bytes(cpu) == 0
+
+
+class OverBudgetFleet(VirtualFleet):
+    """The virtual fleet, where llama.cpp allocates twice what the estimate says (an estimate
+    that is wrong for this build, say)."""
+
+    def result(self, ref: int, trial_key: str):
+        result = super().result(ref, trial_key)
+        if result.gpu_bytes:
+            result.gpu_bytes *= 2
+        return result
+
+
+def test_a_trial_that_ran_over_the_budget_fails_whatever_its_speed(sqlite_url):
+    fleet = OverBudgetFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=3)
+    config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=8, sampler="tpe", seed=1,
+                         gpu_budget="6GiB", name="over")
+    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
+                      alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+    with contextlib.suppress(StudyPaused):  # its failure budget spent: what it measured is kept all the same
+        run.run()
+    with run.db.session() as s:
+        rows = [r for r in repo.study_trials(s, run.study_id) if r.gpu_bytes]
+    over = [r for r in rows if r.gpu_bytes > 6 * GIB]
+    assert over and all(r.state == "failed" and r.failure_kind == "over budget" for r in over)
+    assert all("over the GPU budget" in r.error for r in over)
+    assert all(r.state == "complete" for r in rows if r.gpu_bytes <= 6 * GIB and r.phase == "search")

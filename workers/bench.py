@@ -261,6 +261,19 @@ class _Llama:
             llama.llama_attach_threadpool(ctx, pools[0], pools[-1])
 
 
+# llama.cpp's buffer lines: "load_tensors: CUDA0 model buffer size = 4155.99 MiB",
+# "llama_kv_cache: Metal KV buffer size = 256.00 MiB", "sched_reserve: CUDA0 compute buffer size = ..."
+_BUFFER = re.compile(r"(\S+)\s+(?:model|KV|compute|output|RS)\s+buffer size\s*=\s*([\d.]+) MiB")
+# buffers in a GPU device's memory (Apple's Metal buffers are the GPU's working set); host-side
+# buffers (CPU, CPU_Mapped, CPU_REPACK, CUDA_Host) are not
+_GPU_BUFFER = re.compile(r"(CUDA\d+|ROCm\d+|Vulkan\d+|SYCL\d+|Metal|MTL\d+)(_Mapped)?")
+
+
+def gpu_buffer_bytes(log: str) -> int:
+    """Bytes of GPU buffers llama.cpp reports in ``log`` (0 where it reports none)."""
+    return int(sum(float(mib) * 1024**2 for name, mib in _BUFFER.findall(log) if _GPU_BUFFER.fullmatch(name)))
+
+
 def _run_child(spec: TrialSpec) -> TrialResult:
     """Inside the subprocess: load, warm up, time every repetition."""
     started = time.time()
@@ -273,6 +286,7 @@ def _run_child(spec: TrialSpec) -> TrialResult:
     load_s = time.perf_counter() - t0
     load_log = "".join(llama.log)
     effective: dict | None = None
+    context_gpu_bytes = 0  # the largest of the tests' contexts (one at a time, as llama-bench)
     vocab = lib.llama_model_get_vocab(model)
     n_vocab = lib.llama_vocab_n_tokens(vocab)
     bos = lib.llama_vocab_bos(vocab)
@@ -325,8 +339,10 @@ def _run_child(spec: TrialSpec) -> TrialResult:
         log_from = len(llama.log)
         ctx = llama.context(model, params, depth + n_tokens)  # as llama-bench: one context per test
         load_s += time.perf_counter() - t_ctx
+        context_log = "".join(llama.log[log_from:])
+        context_gpu_bytes = max(context_gpu_bytes, gpu_buffer_bytes(context_log))
         if effective is None:  # the first test's context: the prompt's, where batch sizes matter
-            effective = llama.effective(ctx, params, load_log, "".join(llama.log[log_from:]))
+            effective = llama.effective(ctx, params, load_log, context_log)
         memory = lib.llama_get_memory(ctx)
         if workload.warmup:
             lib.llama_memory_clear(memory, True)
@@ -362,6 +378,7 @@ def _run_child(spec: TrialSpec) -> TrialResult:
         backend_info=llama_build_info(),
         effective=effective,
         kl_divergence=kl,
+        gpu_bytes=gpu_buffer_bytes(load_log) + context_gpu_bytes,
     )
 
 

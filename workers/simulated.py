@@ -640,7 +640,7 @@ class SimulatedNode:
             time.sleep(sim_seconds * self.time_scale)  # the trial's duration, scaled; not synchronisation
         return TrialResult(
             trial_key=spec.trial_key, ok=True, samples=samples, load_s=load_s,
-            peak_rss_bytes=int(pred.gpu_bytes), thermal_before="nominal",
+            peak_rss_bytes=int(pred.gpu_bytes), gpu_bytes=int(pred.gpu_bytes), thermal_before="nominal",
             thermal_after="fair" if throttle < 1 else "nominal", started_at=started,
             finished_at=time.time(), measure_s=sim_seconds, simulated=True,
             backend_info=self.backend_info(), effective=effective_params(spec.params, shape, w),

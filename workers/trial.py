@@ -206,6 +206,7 @@ class FailureKind(enum.Enum):
     MODEL_MISSING = "model missing"
     BAD_CONFIG = "bad config"
     NO_SAMPLES = "no samples"
+    OVER_BUDGET = "over budget"  # issue 23.1: llama.cpp allocated more GPU memory than the study's budget
     WORKER_ERROR = "worker error"
 
 
@@ -234,6 +235,9 @@ class TrialResult:
     effective: dict | None = None
     # issue 20.4: mean KL divergence of the next-token distributions against the f16 KV cache
     kl_divergence: float | None = None
+    # issue 23.1: peak GPU memory of the trial: llama.cpp's own buffers on GPU devices (the model's,
+    # plus the largest context's KV, compute and output buffers), from its log; 0 on a CPU build
+    gpu_bytes: int | None = None
 
     @property
     def kind(self) -> FailureKind | None:

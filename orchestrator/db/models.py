@@ -163,6 +163,7 @@ class Trial(Base):
     confirm_round: Mapped[int | None] = mapped_column(Integer)  # the confirmation's round (issue 20.2)
     confirm_arm: Mapped[str | None] = mapped_column(String(40))  # its arm: a candidate, a baseline, A/A
     kl_divergence: Mapped[float | None] = mapped_column(Float)  # against the f16 KV cache (issue 20.4)
+    gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)  # llama.cpp's GPU buffers at the peak (issue 23.1)
     study: Mapped[Study] = relationship()
     node: Mapped[Node | None] = relationship()
     samples: Mapped[list[SampleRow]] = relationship(

@@ -380,7 +380,7 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
                "node_id": f.node_id, "objective_value": f.objective_value, "e2e_s": f.e2e_s,
                "load_s": r.load_s, "measure_s": r.measure_s, "peak_rss_bytes": r.peak_rss_bytes,
                "thermal_before": r.thermal_before, "thermal_after": r.thermal_after,
-               "effective": r.effective, "kl_divergence": r.kl_divergence,
+               "effective": r.effective, "kl_divergence": r.kl_divergence, "gpu_bytes": r.gpu_bytes,
                "finished_at": _ts(r.finished_at) or now}
         if r.simulated:
             row["simulated"] = True
