@@ -130,3 +130,43 @@ def test_a_trial_that_ran_over_the_budget_fails_whatever_its_speed(sqlite_url):
     assert over and all(r.state == "failed" and r.failure_kind == "over budget" for r in over)
     assert all("over the GPU budget" in r.error for r in over)
     assert all(r.state == "complete" for r in rows if r.gpu_bytes <= 6 * GIB and r.phase == "search")
+
+
+def test_fit_is_llama_cpps_placement_on_the_estimate():
+    shape = ARCH_SHAPES["qwen3-30b-a3b"]
+    base = BenchParams(n_gpu_layers=99, n_threads=4)
+    assert placement.fit(shape, base, 640, 64 * GIB).n_gpu_layers == shape.n_layer + 1  # it fits: all of it
+    moe = placement.fit(shape, base, 640, 12 * GIB)  # the experts of the first layers go to the CPU
+    assert moe.n_gpu_layers == shape.n_layer + 1 and 0 < moe.n_cpu_moe < shape.n_layer
+    assert placement.gpu_need(shape, moe, 640).total <= 11 * GIB  # 1 GiB left free, as --fit-target's default
+    fewer = replace(moe, n_cpu_moe=moe.n_cpu_moe - 1)
+    assert placement.gpu_need(shape, fewer, 640).total > 11 * GIB  # and no expert more would fit
+    dense = placement.fit(ARCH_SHAPES["qwen3-14b"], base, 640, 4 * GIB)
+    assert 0 < dense.n_gpu_layers < ARCH_SHAPES["qwen3-14b"].n_layer and dense.n_cpu_moe == 0
+    assert placement.fit(ARCH_SHAPES["qwen3-14b"], base, 640, 1 * GIB) is None  # nothing fits in no room
+
+
+def test_a_simulated_16gb_mac_places_a_moe_that_does_not_fit_and_beats_fit(sqlite_url):
+    """Issue 23's simulated check: Qwen3-30B-A3B (Q4_K_M, about 17 GiB) on a 16 GB M2 Pro (a
+    12 GiB working set): the study keeps experts on the CPU, never exceeds the working set, and
+    its recommendation is at least as fast as llama.cpp's --fit placement of the same model."""
+    from orchestrator.space import llama_cpp_defaults
+
+    chip = simulated.parse_chip("M2 Pro/19/16")
+    model = simulated.sim_model_info("sim://qwen3-30b-a3b/q4_k_m")
+    shape = simulated.model_shape("qwen3-30b-a3b", "q4_k_m")
+    fleet = VirtualFleet(chip, 2, trial_s=0.0, prefix="node", seed=3)
+    config = StudyConfig(model=model, workload=Workload(512, 128, 2), n_trials=30, sampler="tpe", seed=1, name="moe")
+    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(chip, {}, simulated=True),
+                      alive_nodes=partial(fleet.alive_nodes, chip.chip_key))
+    outcome = run.run()
+    working_set = placement.gpu_working_set(chip)
+    with run.db.session() as s:
+        measured = [r for r in repo.study_trials(s, run.study_id) if r.state == "complete"]
+    assert all(r.gpu_bytes <= working_set for r in measured)
+    best = outcome.recommendation.params
+    assert best.n_cpu_moe > 0 and best.n_gpu_layers > 0  # its experts placed: some on each side
+    fitted = placement.fit(shape, llama_cpp_defaults(chip, model, 512), 640, working_set)
+    ours, theirs = (simulated.predict(chip, shape, p, 512, 128).tg_tps for p in (best, fitted))
+    print(f"recommendation {best.llama_cpp_flags()}: {ours:.2f} tok/s; --fit {fitted.llama_cpp_flags()}: {theirs:.2f}")
+    assert ours >= theirs, (best, fitted, ours, theirs)

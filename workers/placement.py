@@ -19,7 +19,7 @@ raises it), or what the user gives (``--gpu-budget 8GiB``), never more than the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint
@@ -29,6 +29,7 @@ from workers.trial import BenchParams
 WORKING_SET_FRACTION = 0.75  # the share of unified memory Metal lets the GPU wire by default
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per cached value (ggml's blocks)
 COMPUTE_BYTES_PER_UBATCH_EMBD = 64  # compute buffers per micro-batch token and embedding value (modelled)
+FIT_MARGIN_BYTES = 1024**3  # llama.cpp's --fit-target default: 1024 MiB left free per device
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
@@ -74,6 +75,30 @@ def gpu_need(shape: ModelInfo, params: BenchParams, n_ctx: int) -> MemoryNeed:
     kv = 0.0 if getattr(params, "no_kv_offload", False) else per_position * n_ctx * on_gpu
     compute = params.n_ubatch * shape.n_embd * COMPUTE_BYTES_PER_UBATCH_EMBD if on_gpu else 0.0
     return MemoryNeed(weights, kv, compute)
+
+
+def fit(shape: ModelInfo, params: BenchParams, n_ctx: int, budget: float,
+        margin: float = FIT_MARGIN_BYTES) -> BenchParams | None:
+    """llama.cpp's ``--fit`` for one device, on this module's estimate (common/fit.cpp, steps 3
+    and 4; the context is the workload's, not reduced): full offload where it fits ``budget``
+    less ``margin``; else, for a mixture of experts, every layer offloaded with the experts of as
+    few leading layers as it takes kept on the CPU (``n_cpu_moe``); else as many whole layers as
+    fit (with every expert on the CPU for a mixture). None: not even one layer fits. Only the GPU
+    layers and ``n_cpu_moe`` are changed: --fit leaves every other knob as given."""
+    target = budget - margin
+    n_layer = shape.n_layer
+
+    def fits(ngl: int, cpu_moe: int) -> bool:
+        return gpu_need(shape, replace(params, n_gpu_layers=ngl, n_cpu_moe=cpu_moe), n_ctx).total <= target
+
+    if fits(n_layer + 1, 0):
+        return replace(params, n_gpu_layers=n_layer + 1, n_cpu_moe=0)
+    all_experts = n_layer if shape.n_expert else 0
+    if shape.n_expert and fits(n_layer + 1, all_experts):
+        cpu_moe = next(n for n in range(all_experts + 1) if fits(n_layer + 1, n))
+        return replace(params, n_gpu_layers=n_layer + 1, n_cpu_moe=cpu_moe)
+    ngl = next((n for n in range(n_layer, 0, -1) if fits(n, all_experts)), 0)
+    return replace(params, n_gpu_layers=ngl, n_cpu_moe=all_experts) if ngl else None
 
 
 def gpu_working_set(fp: Fingerprint) -> int | None:
