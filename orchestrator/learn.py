@@ -157,11 +157,12 @@ def recommend(
     records: list[TrialRecord], target: str | Objective, n_prompt: int, n_gen: int,
     baselines: dict[str, BenchParams] | None = None,
 ) -> RecommendationDraft | None:
-    """Pick the configuration with the best pooled median among those that were confirmed.
+    """The study's recommendation: where the interleaved confirmation ran, the winner of its paired
+    claims (``paired_claims``, issue 20.3: a gain only where its interval lies above 1); in studies
+    stored before it, the confirmed configuration with the best pooled median.
 
-    Candidates are the configurations that have a ``confirm`` trial (the study re-measures its top
-    configurations and the baselines in one round); each is judged on all its samples together. The
-    interval is the range of its per-repetition rates in the objective's unit.
+    Candidates are the configurations that have a ``confirm`` trial; each is summarised on all its
+    samples together. The interval is the range of its per-repetition rates in the objective's unit.
 
     ``baselines`` names the study's baseline configurations (default: the first configuration of the
     ``baseline`` trials is llama-cpp-python's defaults, a second one llama.cpp's). A baseline is a candidate like any other, so where no searched
