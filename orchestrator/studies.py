@@ -672,18 +672,22 @@ class StudyRunner:
             if existing is None and cfg.resume:
                 raise BadInput("no study to resume for this chip, model and workload")
             if existing is not None:
-                self._resume(s, existing, chip, model)
+                self._resume(s, existing, chip, model, space)
             else:
                 self._create(s, space, chip, model)
         return existing
 
-    def _resume(self, s, existing, chip, model) -> None:
+    def _resume(self, s, existing, chip, model, space: SearchSpace) -> None:
         cfg = self.cfg
         self._check_same(existing, chip, model)
         self.study_id, self.name = existing.id, existing.name
         # what the study was created with, unless an option names another now
         self.sampler = existing.sampler if cfg.sampler == "auto" else cfg.sampler
         self.space = SearchSpace.from_dict(existing.space)
+        if cfg.gpu_budget is not None and space.gpu_budget_bytes != self.space.gpu_budget_bytes:
+            kept = f"{self.space.gpu_budget_bytes / 1024**3:.2f} GiB" if self.space.gpu_budget_bytes else "none"
+            raise BadInput(f"study {existing.name!r} was created with a GPU budget of {kept}; "
+                           f"--gpu-budget {cfg.gpu_budget} would change it: start a new study")
         self.budget = cfg.n_trials or existing.budget
         if self.sampler == "grid":
             self.budget = min(self.budget, grid_size(self.space))

@@ -170,3 +170,13 @@ def test_a_simulated_16gb_mac_places_a_moe_that_does_not_fit_and_beats_fit(sqlit
     ours, theirs = (simulated.predict(chip, shape, p, 512, 128).tg_tps for p in (best, fitted))
     print(f"recommendation {best.llama_cpp_flags()}: {ours:.2f} tok/s; --fit {fitted.llama_cpp_flags()}: {theirs:.2f}")
     assert ours >= theirs, (best, fitted, ours, theirs)
+
+
+def test_a_resumed_study_keeps_its_budget_and_refuses_another(sqlite_url):
+    runner(sqlite_url, gpu_budget="4GiB", name="kept").run()
+    resumed = runner(sqlite_url, gpu_budget="8GiB", name="kept", resume=True)
+    with pytest.raises(BadInput, match="created with a GPU budget of 4.00 GiB"):
+        resumed.prepare()
+    same = runner(sqlite_url, name="kept", resume=True)  # no --gpu-budget: the stored one holds
+    same.prepare()
+    assert same.space.gpu_budget_bytes == 4 * GIB
