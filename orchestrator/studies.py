@@ -179,8 +179,8 @@ class StudyConfig:
             raise BadInput(f"--confirm-rounds {self.confirm_rounds}: must be >= {CONFIRM_MIN_ROUNDS}")
         if self.workload.reps < 1:
             raise BadInput(f"--reps {self.workload.reps}: must be >= 1")
-        if self.gpu_budget is not None and placement.parse_size(self.gpu_budget) <= 0:
-            raise BadInput(f"--gpu-budget {self.gpu_budget!r}: must be more than 0 bytes")
+        if self.gpu_budget is not None:
+            placement.parse_positive_size(self.gpu_budget)
         obj.check_workload(self.workload.n_prompt, self.workload.n_gen)
         check_depth(self.workload, self.model)
         validate_workload(self.workload, self.model)

@@ -72,7 +72,7 @@ def gpu_need(shape: ModelInfo, params: BenchParams, n_ctx: int) -> MemoryNeed:
     weights = shape.bytes_of(on_gpu * shape.layer_params - experts_on_cpu(shape, params) * shape.expert_params
                              + (shape.output_params if output else 0.0))
     per_position = shape.kv_elements * (KV_BYTES[params.type_k] + KV_BYTES[params.type_v])  # one layer
-    kv = 0.0 if getattr(params, "no_kv_offload", False) else per_position * n_ctx * on_gpu
+    kv = 0.0 if params.no_kv_offload else per_position * n_ctx * on_gpu
     compute = params.n_ubatch * shape.n_embd * COMPUTE_BYTES_PER_UBATCH_EMBD if on_gpu else 0.0
     return MemoryNeed(weights, kv, compute)
 
@@ -119,12 +119,18 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def parse_budget(text: str, fp: Fingerprint) -> int:
-    """A GPU memory budget given by the user, checked against the device: positive, and no more
-    than the GPU's memory (or wired share) that ``fp`` reports."""
+def parse_positive_size(text: str) -> int:
+    """A budget's size in bytes, more than 0 (BadInput otherwise): checkable before any device is known."""
     budget = parse_size(text)
     if budget <= 0:
         raise BadInput(f"--gpu-budget {text!r}: must be more than 0 bytes")
+    return budget
+
+
+def parse_budget(text: str, fp: Fingerprint) -> int:
+    """A GPU memory budget given by the user, checked against the device: positive, and no more
+    than the GPU's memory (or wired share) that ``fp`` reports."""
+    budget = parse_positive_size(text)
     device = gpu_working_set(fp)
     if device is None:
         raise BadInput(f"--gpu-budget {text!r}: this machine's llama.cpp has no GPU to budget")

@@ -431,10 +431,8 @@ def predict(
     k = fitted_constants()
     d = dims if dims is not None else fitted_dims()
     L = shape.n_layer
-    ngl = max(0, min(params.n_gpu_layers, L + 1))
-    gpu_layers = min(ngl, L)
+    gpu_layers, out_on_gpu = placement.gpu_layers(shape, params)  # ngl beyond the model: the output too
     cpu_layers = L - gpu_layers
-    out_on_gpu = ngl > L
     moe_cpu = placement.experts_on_cpu(shape, params)  # offloaded layers whose experts stay in host memory
     expert_all = shape.expert_params
     expert_active = expert_all * shape.n_expert_used / shape.n_expert if shape.n_expert else 0.0
@@ -499,7 +497,7 @@ def predict(
         read = cpu_bytes + cpu_kv
         t_cpu = max(read / (speed_tg * sc.cpu_speed * CPU_BYTES_PER_S_PER_GHZ * cpu_ghz), read / cpu_bw)
         t_cpu /= 1 - (sc.cpu_contention if gpu_layers else 0.0)
-    handovers = 0 if ngl == 0 or out_on_gpu else 2
+    handovers = 0 if gpu_layers == 0 or out_on_gpu else 2
     if out_on_gpu and cpu_layers:
         handovers = 1
     handovers += 2 * moe_cpu
