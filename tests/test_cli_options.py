@@ -81,7 +81,7 @@ def test_every_objective_option_lists_the_objectives_and_refuses_others_in_one_l
     url = f"sqlite:///{tmp_path / 'r.db'}"
     result = CliRunner().invoke(main, [*args, "speed", "--db", url] if args[0] != "sim" else [*args, "speed"])
     assert result.exit_code == 2, result.output
-    assert result.stderr == "error: unknown objective 'speed'; choose one of tg, pp, e2e\n"
+    assert result.stderr == f"error: unknown objective 'speed'; choose one of {', '.join(OBJECTIVE_NAMES)}\n"
     assert not (tmp_path / "r.db").exists() or args[0] == "tune"  # refused while parsing
 
 

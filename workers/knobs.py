@@ -22,6 +22,7 @@ from workers.errors import BadInput
 TOOLS = ("llama-bench", "llama-server", "llama-cli")
 BENCHMARK, SERVER = "benchmark", "server"
 BOTH = frozenset({BENCHMARK, SERVER})
+SERVED = frozenset({SERVER})  # a knob only a server has: slots, its KV cache, its prompt cache
 FLASH_ATTN = ("on", "off", "auto")  # llama.cpp's values for -fa
 KV_TYPES = ("f16", "q8_0", "q4_0")  # the KV cache types searched (-ctk/-ctv)
 GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml.h's enum ggml_type, as llama_cpp.Llama takes them
@@ -269,9 +270,36 @@ KNOBS: tuple[Knob, ...] = (
          library_field="context.offload_kqv", library_values=((False, True), (True, False)),
          effective="llama_context_params.offload_kqv as the context holds it", optuna_name="no_kv_offload",
          gpu_only=True),
+    # llama-server's own knobs (issue 22.3): served trials and serving nodes only; None leaves each
+    # to llama-server's default, which the served trial reads back from the server (rule 20.1)
+    Knob("n_parallel", int, None, "Server slots: requests decoded together (default: llama-server's auto, 4).",
+         low=1, high=256, server_flags=("-np", "--parallel"),
+         effective="llama_context: n_seq_max in the server's log; /props total_slots", optuna_name="parallel",
+         log=True, applies=SERVED),
+    Knob("n_ctx", int, None, "The server's whole KV cache in tokens, split among the slots unless unified "
+         "(default: the model's training context).", low=256, high=1 << 22, server_flags=("-c", "--ctx-size"),
+         effective="llama_context: n_ctx in the server's log (rounded to the slots)", optuna_name="ctx",
+         log=True, applies=SERVED),
+    Knob("kv_unified", bool, None, "One KV buffer shared by every slot (default: on when the slots are auto).",
+         choices=(False, True), server_flags=("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"),
+         senses={"-kvu": True, "--kv-unified": True, "-no-kvu": False, "--no-kv-unified": False},
+         effective="llama_context: kv_unified in the server's log", optuna_name="kv_unified", applies=SERVED),
+    Knob("cache_ram", int, None, "Host prompt cache in MiB (0: off, -1: no limit; default 8192).", low=-1,
+         high=1 << 24, server_flags=("-cram", "--cache-ram"), effective="as given (the server prints no read-back)",
+         optuna_name="cache_ram", applies=SERVED),
+    Knob("cache_idle_slots", bool, None, "Save an idle slot to the host prompt cache when a new task takes it "
+         "(default: on, needs --cache-ram).", choices=(True, False),
+         server_flags=("--cache-idle-slots", "--no-cache-idle-slots"),
+         senses={"--cache-idle-slots": True, "--no-cache-idle-slots": False},
+         effective="as given", optuna_name="cache_idle_slots", applies=SERVED),
+    Knob("cache_reuse", int, None, "Smallest chunk reused from the prompt cache by KV shifting (0: off).", low=0,
+         high=1 << 20, server_flags=("--cache-reuse",), effective="as given", optuna_name="cache_reuse",
+         applies=SERVED),
 )
 
 BY_FIELD: dict[str, Knob] = {k.field: k for k in KNOBS}
+BENCH_FIELDS = tuple(k.field for k in KNOBS if BENCHMARK in k.applies)  # what one llama-bench stream can say
+SERVER_FIELDS = tuple(k.field for k in KNOBS if k.applies == SERVED)  # llama-server's own
 FLAGS: dict[str, Knob] = {f: k for k in KNOBS for f in (*k.bench_flags, *k.server_flags)}
 PLOT_AXES = {k.optuna_name: k.field for k in KNOBS if k.type is int and k.always_printed}  # ngl threads batch ubatch
 

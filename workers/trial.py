@@ -32,6 +32,13 @@ class BenchParams:
     n_cpu_moe: int = 0  # layers whose expert tensors stay on the CPU (MoE models only)
     op_offload: bool = True  # llama.cpp's default; False keeps big prompt batches off the GPU at -ngl 0
     no_kv_offload: bool = False  # True: the KV cache stays in host memory (-nkvo), for a tight GPU budget
+    # llama-server's own (issue 22.3); None: llama-server's default
+    n_parallel: int | None = None  # slots (-np)
+    n_ctx: int | None = None  # the whole KV cache in tokens (-c)
+    kv_unified: bool | None = None  # one KV buffer for every slot (-kvu / -no-kvu)
+    cache_ram: int | None = None  # host prompt cache, MiB (--cache-ram)
+    cache_idle_slots: bool | None = None  # idle slots saved to the prompt cache (--cache-idle-slots)
+    cache_reuse: int | None = None  # prompt-cache reuse by KV shifting, tokens (--cache-reuse)
 
     def __post_init__(self) -> None:
         fa = self.flash_attn
@@ -141,6 +148,53 @@ def validate_workload(workload: Workload, model: object | None) -> None:
         )
 
 
+MAX_USERS = 4096  # a served load's users, requests per window and windows: at most this
+
+
+@dataclass(frozen=True)
+class ServedWorkload:
+    """How a served trial loads its server (issue 22.1; workers/served.py measures it).
+
+    The requests' lengths are the study's ``Workload`` (prompt tokens, give or take
+    ``prompt_spread``, and generated tokens); this says how they arrive and how much is measured.
+    """
+
+    users: int = 4  # closed loop: concurrent users (goodput and throughput at a fixed load)
+    rate: float | None = None  # open loop instead: Poisson arrivals, requests per second
+    requests: int = 32  # measured requests per window (at least one per user)
+    windows: int = 3  # windows a fixed-load trial measures: its repetitions
+    prompt_spread: int = 0  # prompt lengths uniform in n_prompt -/+ this
+    capacity: bool = False  # search the concurrency for the most users within the SLO
+    max_users: int = 64  # the capacity search's ceiling
+    slo: str = "ttft_p90=1s,tps_p10=20"  # workers/slo.py's text form
+    window_s: float = 120.0  # bound on each window (and each capacity level)
+
+    def validate(self, n_prompt: int) -> None:
+        """BadInput, one line, for a load no served trial can run (``n_prompt``: the mean prompt)."""
+        from workers.slo import parse_slo
+
+        for name, value, low in (("--users", self.users, 1), ("--requests", self.requests, 1),
+                                 ("--windows", self.windows, 1), ("--max-users", self.max_users, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_USERS:
+                raise BadInput(f"{name} {value!r}: must be a whole number in {low}..{MAX_USERS}")
+        if self.rate is not None and not (isinstance(self.rate, int | float) and 0 < self.rate < 1e6):
+            raise BadInput(f"--rate {self.rate!r}: requests per second, more than 0")
+        if not isinstance(self.prompt_spread, int) or not 0 <= self.prompt_spread < max(n_prompt, 1):
+            raise BadInput(f"--prompt-spread {self.prompt_spread!r}: must be 0..{max(n_prompt - 1, 0)} "
+                           f"(the prompts' length varies by at most this)")
+        if not (isinstance(self.window_s, int | float) and 0 < self.window_s <= 86400):
+            raise BadInput(f"window seconds {self.window_s!r}: must be in (0, 86400]")
+        parse_slo(self.slo)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ServedWorkload:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 @dataclass(frozen=True)
 class TrialSpec:
     """Everything a worker needs to run one trial; no database ids, no orchestrator state."""
@@ -153,6 +207,7 @@ class TrialSpec:
     cooldown_s: float = 0.0
     trial_key: str = ""  # opaque id the orchestrator uses to match the result
     measure_kl: bool = False  # issue 20.4: also measure the KL divergence of a quantized KV cache
+    served: ServedWorkload | None = None  # issue 22.1: measured on a real llama-server under this load
 
 
 @dataclass(frozen=True)
@@ -238,6 +293,9 @@ class TrialResult:
     # issue 23.1: peak GPU memory of the trial: llama.cpp's own buffers on GPU devices (the model's,
     # plus the largest context's KV, compute and output buffers), from its log; 0 on a CPU build
     gpu_bytes: int | None = None
+    # issue 22.1: a served trial's levels (every request, each window's figures, the server's
+    # /metrics), the server's build and command line (workers/served.py)
+    served: dict | None = None
 
     @property
     def kind(self) -> FailureKind | None:
