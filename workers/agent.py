@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from workers import bench
+from workers import bench, served
 from workers.files import fsync_dir
 from workers.hardware import fingerprint_live
 from workers.labels import (
@@ -106,7 +106,8 @@ def run_trial(spec: TrialSpec) -> TrialResult:
         # (Ray 2.60 on Linux: still measuring 50 s later), measuring for a node the cluster has
         # written off: stop as soon as the parent is gone.
         raylet = os.getppid()
-        result = bench.measure(spec, stop_when=lambda: None if os.getppid() == raylet else NODE_LOST)
+        measure = served.measure if spec.served else bench.measure  # issue 22.1: on a real llama-server
+        result = measure(spec, stop_when=lambda: None if os.getppid() == raylet else NODE_LOST)
     result.node_id = node_id
     result.hostname = labels.get(HOSTNAME_LABEL) or socket.gethostname()
     return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from workers.errors import BadInput
@@ -79,33 +80,47 @@ class Objective:
         """The rate whose spread a trial's listing shows (the first the objective combines)."""
         return self.kinds[0]
 
+    @property
+    def served(self) -> bool:
+        """Whether it is judged on a real server under load (issue 22), not on one llama-bench stream."""
+        return all(kind in SERVED_KINDS for kind in self.kinds)
+
     def _tokens(self, n_prompt: int, n_gen: int) -> tuple[int, int]:
         return (n_prompt if self.needs_prompt else 0), (n_gen if self.needs_generation else 0)
 
+    def value_of(self, rates: Mapping[str, float | None], n_prompt: int = 0, n_gen: int = 0) -> float | None:
+        """The optimised value of a measurement given the median rate of each kind it combines
+        (``{"pp": ..., "tg": ...}``, or a served kind); None when not measurable."""
+        if len(self.kinds) == 1:
+            return rates.get(self.kinds[0])
+        return e2e_seconds(rates.get("pp"), rates.get("tg"), *self._tokens(n_prompt, n_gen))
+
     def value(self, pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
         """The optimised value of a measurement (median pp and tg rates); None when not measurable."""
-        rates = {"pp": pp_tps, "tg": tg_tps}
-        if len(self.kinds) == 1:
-            return rates[self.kinds[0]]
-        return e2e_seconds(pp_tps, tg_tps, *self._tokens(n_prompt, n_gen))
+        return self.value_of({"pp": pp_tps, "tg": tg_tps}, n_prompt, n_gen)
 
-    def rate(self, pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
-        """The same measurement as tokens per second (higher is better, whatever the direction):
-        a combined objective as its tokens over its seconds."""
-        value = self.value(pp_tps, tg_tps, n_prompt, n_gen)
+    def rate_of(self, rates: Mapping[str, float | None], n_prompt: int = 0, n_gen: int = 0) -> float | None:
+        """The same measurement as a higher-is-better rate in ``rate_unit``: a combined objective
+        as its tokens over its seconds."""
+        value = self.value_of(rates, n_prompt, n_gen)
         if len(self.kinds) == 1:
             return value
         return sum(self._tokens(n_prompt, n_gen)) / value if value else None
 
-    def rate_spread(self, pp: list[float], tg: list[float], n_prompt: int, n_gen: int) -> dict | None:
+    def rate(self, pp_tps: float | None, tg_tps: float | None, n_prompt: int, n_gen: int) -> float | None:
+        """``rate_of`` for llama-bench's two kinds."""
+        return self.rate_of({"pp": pp_tps, "tg": tg_tps}, n_prompt, n_gen)
+
+    def rate_spread_of(self, per_kind: Mapping[str, list[float]], n_prompt: int = 0,
+                       n_gen: int = 0) -> dict | None:
         """``rate`` of the medians of per-sample rates, with the lowest and highest it takes over
         the samples (``{"value", "low", "high"}``); None when nothing it needs was measured."""
-        per_kind = {"pp": pp, "tg": tg}
         if len(self.kinds) == 1:
-            rates = per_kind[self.kinds[0]]
+            rates = per_kind.get(self.kinds[0]) or []
             if not rates:
                 return None
             return {"value": statistics.median(rates), "low": min(rates), "high": max(rates)}
+        pp, tg = per_kind.get("pp") or [], per_kind.get("tg") or []
         value = self.rate(statistics.median(pp) if pp else None, statistics.median(tg) if tg else None,
                           n_prompt, n_gen)
         if not value:
@@ -114,6 +129,10 @@ class Objective:
                 self.rate(max(pp) if pp else None, max(tg) if tg else None, n_prompt, n_gen)]
         ends = [e for e in ends if e]
         return {"value": value, "low": min(ends), "high": max(ends)}
+
+    def rate_spread(self, pp: list[float], tg: list[float], n_prompt: int, n_gen: int) -> dict | None:
+        """``rate_spread_of`` for llama-bench's two kinds."""
+        return self.rate_spread_of({"pp": pp, "tg": tg}, n_prompt, n_gen)
 
     def better(self, a: float, b: float) -> bool:
         """Whether value ``a`` is strictly better than value ``b``."""
@@ -125,6 +144,10 @@ class Objective:
 
     def check_workload(self, n_prompt: int, n_gen: int) -> None:
         """Refuse a workload in which this objective measures nothing."""
+        if self.served:
+            if n_prompt < 1 or n_gen < 2:
+                raise BadInput(f"objective {self.name} needs {self.workload_hint}")
+            return
         if sum(self._tokens(n_prompt, n_gen)) < 1:
             raise BadInput(f"objective {self.name} needs {self.workload_hint}")
 
@@ -136,7 +159,19 @@ PP = Objective("pp", Direction.MAXIMIZE, "tok/s", "prompt processing speed (toke
 E2E = Objective("e2e", Direction.MINIMIZE, "s", "seconds for one request: the prompt plus the generated tokens",
                 ("pp", "tg"), rate_unit="tok/s (prompt+gen tokens / e2e seconds)",
                 workload_hint="prompt or generated tokens")
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (TG, PP, E2E)}
+# served kinds (issue 22.2): one sample per measured window of a served trial (workers/served.py)
+GOOD, THRU, CAP = "good", "thru", "cap"  # good requests / generated tokens / users, per window
+SERVED_KINDS = (GOOD, THRU, CAP)
+_SERVED_HINT = "--prompt-tokens >= 1 and --gen-tokens >= 2 (the requests' lengths)"
+GOODPUT = Objective("goodput", Direction.MAXIMIZE, "req/s",
+                    "requests per second that meet every SLO limit, at a fixed load", (GOOD,), rate_unit="req/s",
+                    workload_hint=_SERVED_HINT)
+CAPACITY = Objective("capacity", Direction.MAXIMIZE, "users", "the most concurrent users served within the SLO",
+                     (CAP,), rate_unit="users", workload_hint=_SERVED_HINT)
+THROUGHPUT = Objective("throughput", Direction.MAXIMIZE, "tok/s",
+                       "generated tokens per second of all users together, at a fixed load", (THRU,),
+                       workload_hint=_SERVED_HINT)
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (TG, PP, E2E, GOODPUT, CAPACITY, THROUGHPUT)}
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 
 

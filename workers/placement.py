@@ -77,6 +77,36 @@ def gpu_need(shape: ModelInfo, params: BenchParams, n_ctx: int) -> MemoryNeed:
     return MemoryNeed(weights, kv, compute)
 
 
+HOST_MEMORY_FRACTION = 0.9  # a server's weights and KV cache may take at most this share of the node's RAM
+
+
+def served_context(shape: ModelInfo, params: BenchParams) -> int:
+    """The KV cache a server allocates, in positions: ``-c``, else the model's training context
+    (llama-server's default)."""
+    return params.n_ctx or shape.context_length or 4096
+
+
+def served_memory_problem(shape: ModelInfo, params: BenchParams, memory_bytes: int | None,
+                          gpu_budget: int | None) -> str | None:
+    """Why a server with ``params`` cannot fit this node (issue 22.3: refused before it runs), or
+    None. Its whole KV cache is allocated at start (every slot's context): the GPU's part must fit
+    ``gpu_budget`` (the budget, or the GPU's working set), and weights plus every layer's KV cache
+    ``HOST_MEMORY_FRACTION`` of the node's memory (unified memory holds both on a Mac)."""
+    n_ctx = served_context(shape, params)
+    if gpu_budget and params.n_gpu_layers > 0:
+        need = gpu_need(shape, params, n_ctx)
+        if need.total > gpu_budget:
+            return (f"does not fit the GPU: a {n_ctx}-token KV cache needs {need.describe()} > "
+                    f"{gpu_budget / GIB:.2f} GiB (estimated)")
+    if memory_bytes:
+        kv = shape.kv_elements * (KV_BYTES[params.type_k] + KV_BYTES[params.type_v]) * n_ctx * shape.n_layer
+        total = shape.size_bytes + kv
+        if total > memory_bytes * HOST_MEMORY_FRACTION:
+            return (f"does not fit memory: weights {shape.size_bytes / GIB:.2f} GiB + a {n_ctx}-token KV cache "
+                    f"{kv / GIB:.2f} GiB > {HOST_MEMORY_FRACTION:.0%} of {memory_bytes / GIB:.1f} GiB (estimated)")
+    return None
+
+
 def fit(shape: ModelInfo, params: BenchParams, n_ctx: int, budget: float,
         margin: float = FIT_MARGIN_BYTES) -> BenchParams | None:
     """llama.cpp's ``--fit`` for one device, on this module's estimate (common/fit.cpp, steps 3
