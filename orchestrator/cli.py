@@ -32,7 +32,7 @@ from workers.hardware import fingerprint_from_dir, fingerprint_live, gpu_unused
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 from workers.objective import OBJECTIVE_NAMES, OBJECTIVES
 from workers.objective import objective as objective_named
-from workers.trial import BenchParams, Workload, llama_cpp_python_code
+from workers.trial import BenchParams, ServedWorkload, Workload, llama_cpp_python_code
 
 # llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
 EXPORT_FORMATS = ("llama-bench-json", "llama-bench-jsonl", "llama-bench-csv", "md")
@@ -168,6 +168,37 @@ flash_attn_option = _reusable("-fa", "--flash-attn", type=click.Choice(["off", "
                               show_default=True, help="Flash attention (llama.cpp's -fa).")
 depth_option = _reusable("-d", "--depth", type=click.IntRange(min=0), default=0, show_default=True,
                          help="Tokens already in the KV cache before pp and tg are timed (llama-bench -d).")
+
+
+SERVED_DEFAULTS = ServedWorkload()
+
+
+def served_options(command: Callable) -> Callable:
+    """A served study's load (issue 22.1), given to the command as ``served``: a ServedWorkload
+    where any of them is given or the objective is served, else None (StudyConfig says which
+    objectives take them)."""
+    names = ("users", "rate", "requests", "windows", "max_users", "slo", "prompt_spread")
+
+    @functools.wraps(command)
+    def with_load(*args, **kwargs):
+        given = {name: kwargs.pop(name) for name in names}
+        given = {name: value for name, value in given.items() if value is not None}
+        served = given or objective_named(kwargs.get("objective") or "tg").served
+        kwargs["served"] = ServedWorkload(**given) if served else None
+        return command(*args, **kwargs)
+
+    d = SERVED_DEFAULTS
+    for decls, name, kind, text in reversed((
+        (("--users",), "users", int, f"Served: concurrent users, closed loop [default: {d.users}]."),
+        (("--rate",), "rate", float, "Served: Poisson arrivals, requests/s, instead of --users."),
+        (("--requests",), "requests", int, f"Served: measured requests per window [default: {d.requests}]."),
+        (("--windows",), "windows", int, f"Served: windows per trial, its repetitions [default: {d.windows}]."),
+        (("--max-users",), "max_users", int, f"Served, capacity: most users searched [default: {d.max_users}]."),
+        (("--slo",), "slo", str, f"Served: latency SLO, e.g. ttft_p90=1s,itl_p90=50ms,tps_p10=20 [default: {d.slo}]."),
+        (("--prompt-spread",), "prompt_spread", int, "Served: prompt lengths uniform in -p -/+ this [default: 0]."),
+    )):
+        with_load = click.option(*decls, name, type=kind, default=None, help=text)(with_load)
+    return with_load
 
 
 def output_options(default: str = "table") -> Callable:
@@ -333,7 +364,7 @@ def model_push(model_ref, chip_key, address, force, db_url, fmt) -> None:
 
 @main.command()
 @click.argument("model_ref", metavar="MODEL")
-@knob_options(*knobs.BY_FIELD, defaults={"n_gpu_layers": "0"}, shown_defaults={"n_threads": "physical cores"})
+@knob_options(*knobs.BENCH_FIELDS, defaults={"n_gpu_layers": "0"}, shown_defaults={"n_threads": "physical cores"})
 @prompt_tokens_option()
 @gen_tokens_option()
 @depth_option()
@@ -440,12 +471,13 @@ def _progress_printer(console):
 @click.option("--warm-start/--no-warm-start", "warm", default=True, show_default=True,
               help="Measure first what the fleet predicts for this chip and the best configurations "
                    "of the nearest known chips.")
+@served_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @db_option
 @output_options()
 def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, sampler, study_name, resume,
          chip_key, all_chips, address, seed, timeout, cooldown, confirm_top, confirm_rounds, allow_lossy, gpu_budget,
-         warm, quiet, db_url, fmt) -> None:
+         served, warm, quiet, db_url, fmt) -> None:
     """Search for the fastest llama.cpp configuration of MODEL on this machine (or a chip)."""
     from orchestrator import registry
     from orchestrator.studies import StudyConfig
@@ -459,7 +491,8 @@ def tune(model_ref, trials, objective, prompt_tokens, gen_tokens, depth, reps, s
         workload=Workload(n_prompt=prompt_tokens, n_gen=gen_tokens, depth=depth), reps=reps,
         n_trials=trials, sampler=sampler, name=study_name, resume=resume, seed=seed,
         timeout_s=timeout, cooldown_s=cooldown, confirm_top=confirm_top, allow_lossy=allow_lossy,
-        gpu_budget=gpu_budget, **({} if confirm_rounds is None else {"confirm_rounds": confirm_rounds}),
+        gpu_budget=gpu_budget, served=served,
+        **({} if confirm_rounds is None else {"confirm_rounds": confirm_rounds}),
     )
     cfg.validate()
     console = Console(stderr=True)
@@ -506,6 +539,13 @@ ALL_CHIPS_COLUMNS = [
 ]
 
 
+def served_load_text(load: ServedWorkload) -> str:
+    """A served study's load in one line: its arrivals (or the capacity search) and its SLO."""
+    arrivals = (f"capacity search up to {load.max_users} users" if load.capacity else
+                f"Poisson {load.rate:g} req/s" if load.rate else f"{load.users} users (closed loop)")
+    return f"{arrivals}, {load.requests} requests x {load.windows} windows, SLO {load.slo}"
+
+
 def _outcome_record(outcome, cfg) -> dict:
     from orchestrator.learn import LLAMA_CPP_PYTHON
     from orchestrator.report import claim_fields, config_forms
@@ -519,7 +559,18 @@ def _outcome_record(outcome, cfg) -> dict:
         "trials_complete": outcome.n_complete,
         "trials_failed": outcome.n_failed,
     }
-    if rec:
+    if rec and obj.served:  # issue 22: the figures are the objective's, in its own unit, at the stated load
+        record.update(claim_fields(rec.claims))
+        record.update({
+            "recommendation_version": outcome.recommendation_version,
+            **config_forms(rec.params, str(cfg.objective)),
+            f"expected_{cfg.objective}": round(rec.expected_tps, 3),
+            "interval": [round(rec.interval_low, 3), round(rec.interval_high, 3)],
+            "unit": unit, "load": served_load_text(cfg.served),
+            **{f"baseline {name}": params.llama_cpp_flags() for name, params in outcome.baselines.items()},
+            **{f"baseline {name} {cfg.objective}": round(value, 3) for name, value in rec.baselines.items()},
+        })
+    elif rec:
         record.update(claim_fields(rec.claims))
         record.update({
             "recommendation_version": outcome.recommendation_version,
@@ -578,10 +629,25 @@ def results(chip, model_ref, study, state, top, db_url, fmt) -> None:
 
     rows = queries.trial_rows(_open_db(db_url), chip=chip, model=model_ref, study=study,
                               state=None if state == "all" else state, top=top)
-    columns = RESULT_COLUMNS + ([Column("state", "state")] if state == "all" else [])
+    served = any("goodput" in row for row in rows)  # served trials (issue 22.8): their own figures
+    columns = (SERVED_RESULT_COLUMNS if served else RESULT_COLUMNS) + ([Column("state", "state")] if state == "all" else [])
     columns += [Column("error", "reason")] if state in ("failed", "all") else []  # why a trial failed
     click.echo(render(rows, columns, fmt))
 
+
+SERVED_RESULT_COLUMNS = [
+    Column("id", "id", justify="right"),
+    Column("chip", "chip"),
+    Column("phase", "phase"),
+    Column("flags", "config"),
+    Column("users", "users", justify="right"),
+    Column("goodput", "goodput/s", ".2f", "right"),
+    Column("throughput_tps", "t/s", ".1f", "right"),
+    Column("tps_p10", "user t/s p10", ".1f", "right"),
+    Column("ttft_p90", "TTFT p90 s", ".3f", "right"),
+    Column("meets_slo", "SLO"),
+    Column("sim", "sim"),
+]
 
 BEST_COLUMNS = [
     Column("chip", "chip"),
@@ -599,7 +665,8 @@ BEST_COLUMNS = [
 
 # what a study claims, printed under each recommendation (issue 20.3)
 CLAIM_LINES = (("outcome", "outcome"), ("vs_llama_cpp", "vs llama.cpp's defaults"),
-               ("vs_llama_cpp_python", "vs llama-cpp-python's defaults"), ("noise_aa", "noise (A/A)"),
+               ("vs_llama_cpp_python", "vs llama-cpp-python's defaults"),
+               ("vs_single_stream", "vs the single-stream recommendation"), ("noise_aa", "noise (A/A)"),
                ("kl_divergence", "KL divergence vs f16 cache"))
 
 
@@ -1330,7 +1397,7 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
 
 @sim.command("predict")
 @sim_options
-@knob_options(*knobs.BY_FIELD, defaults={"n_gpu_layers": "99", "n_threads": "8", "n_batch": "512"})
+@knob_options(*knobs.BENCH_FIELDS, defaults={"n_gpu_layers": "99", "n_threads": "8", "n_batch": "512"})
 @output_options()
 def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth, scenario, knob_flags, fmt) -> None:
     """Noiseless pp and tg tokens/s of one configuration on a chip bin."""

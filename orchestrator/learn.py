@@ -79,7 +79,9 @@ def identity(params: BenchParams, effective: dict | None) -> str:
 
 
 LLAMA_CPP_PYTHON = "llama-cpp-python defaults"
-LLAMA_CPP = "llama.cpp defaults"
+LLAMA_CPP = "llama.cpp defaults"  # in a served study: llama-server's own defaults
+SINGLE_STREAM = "single-stream recommendation"  # a served study's: the chip's tg recommendation, served as it is
+OTHER_BASELINES = (LLAMA_CPP_PYTHON, SINGLE_STREAM)  # beside llama.cpp's defaults; a study has at most one
 NOISE_ARM = "llama.cpp defaults (A/A)"  # the same configuration measured twice a round: the noise
 WARMUP_ARM = "warm-up"  # measured before the first round, not counted
 CANDIDATE = "candidate "  # arms "candidate 1", "candidate 2", ...
@@ -123,18 +125,20 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
                     key=lambda item: item[0].ratio if math.isfinite(item[0].ratio) else -math.inf, reverse=True)
     best = ranked[0] if ranked else None
     winner = best[1] if best and best[0].verdict is Verdict.FASTER else LLAMA_CPP
-    if LLAMA_CPP_PYTHON in arms and interval(LLAMA_CPP_PYTHON, winner).verdict is Verdict.FASTER:
-        winner = LLAMA_CPP_PYTHON  # never measurably slower than either baseline (rule 20.3)
+    for other in OTHER_BASELINES:
+        if other in arms and interval(other, winner).verdict is Verdict.FASTER:
+            winner = other  # never measurably slower than either baseline (rule 20.3)
     claims: dict = {"winner": winner, "rounds": len(order), "params": arms[winner].to_dict(), "vs": {}}
-    for name in (LLAMA_CPP_PYTHON, LLAMA_CPP):
+    for name in (*OTHER_BASELINES, LLAMA_CPP):
         if name in arms and name != winner:
             claims["vs"][name] = as_dict(interval(winner, name))
     if best is not None:
         claims["best_candidate"] = {"arm": best[1], "params": arms[best[1]].to_dict(), **as_dict(best[0])}
     if NOISE_ARM in arms:
         claims["noise"] = as_dict(interval(NOISE_ARM, LLAMA_CPP))
-    if winner == LLAMA_CPP_PYTHON:
-        claims["outcome"] = f"llama-cpp-python's defaults: {claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
+    if winner in OTHER_BASELINES:
+        shown = "llama-cpp-python's defaults" if winner == LLAMA_CPP_PYTHON else "the single-stream recommendation"
+        claims["outcome"] = f"{shown}: {claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
     elif winner != LLAMA_CPP:
         claims["outcome"] = f"{claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
     elif best is not None and best[0].verdict is Verdict.SLOWER:
@@ -147,10 +151,8 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
 def trial_rate(samples, target: str | Objective, n_prompt: int, n_gen: int) -> float | None:
     """One trial's figure in the objective's rate (e2e as tokens per second): its median."""
     target = objective(target)
-    pp, tg = _rates(samples, "pp"), _rates(samples, "tg")
-    pp_med = statistics.median(pp) if pp else None
-    tg_med = statistics.median(tg) if tg else None
-    return target.rate(pp_med, tg_med, n_prompt, n_gen)
+    medians = {kind: statistics.median(rates) if (rates := _rates(samples, kind)) else None for kind in target.kinds}
+    return target.rate_of(medians, n_prompt, n_gen)
 
 
 def recommend(
@@ -185,7 +187,8 @@ def recommend(
         pp, tg = _rates(samples, "pp"), _rates(samples, "tg")
         pp_med = statistics.median(pp) if pp else None
         tg_med = statistics.median(tg) if tg else None
-        spread = target.rate_spread(pp, tg, n_prompt, n_gen)  # a combined objective: its effective rate
+        # a combined objective: its effective rate; a served one: its own kind's
+        spread = target.rate_spread_of({kind: _rates(samples, kind) for kind in target.kinds}, n_prompt, n_gen)
         return {**spread, "pp": pp_med, "tg": tg_med} if spread else None
 
     baseline_group = [r for r in records if r.phase == "baseline"]

@@ -49,7 +49,8 @@ def trial_rows(
                 "pp_stddev": t.pp_tps_stddev,
                 "tg_tps": t.tg_tps_median,
                 "tg_stddev": t.tg_tps_stddev,
-                "cv": {"pp": t.pp_cv, "tg": t.tg_cv}[objective(t.study.objective).main_kind],
+                "cv": {"pp": t.pp_cv, "tg": t.tg_cv}.get(objective(t.study.objective).main_kind),
+                **served_fields(t.served),
                 "e2e_s": t.e2e_s,
                 "load_s": t.load_s,
                 "peak_rss_bytes": t.peak_rss_bytes,
@@ -61,6 +62,22 @@ def trial_rows(
             }
             for t in trials
         ]
+
+
+def served_fields(served: dict | None) -> dict:
+    """A served trial's figures at its last level (issue 22.8): users, goodput, aggregate and
+    per-user rates, TTFT and ITL percentiles; {} for a benchmark trial."""
+    if not served or not served.get("levels"):
+        return {}
+    levels = served["levels"]
+    meeting = [level for level in levels if level["figures"]["meets_slo"]]
+    shown = (meeting or levels)[-1]
+    figures = shown["figures"]
+    pcts = figures["percentiles"]
+    return {"users": shown["users"], "goodput": figures["goodput"], "throughput_tps": figures["throughput_tps"],
+            "ttft_p90": pcts.get("ttft_p90"), "itl_p90": pcts.get("itl_p90"), "tps_p10": pcts.get("tps_p10"),
+            "meets_slo": figures["meets_slo"], "failed_requests": served.get("failed_requests"),
+            "llama_build": (served.get("build") or {}).get("commit")}
 
 
 def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | None) -> list[dict]:

@@ -392,7 +392,7 @@ def claim_fields(claims: dict | None) -> dict:
     """What a study claims, as printed by ``tune``, ``best`` and stored with the recommendation
     (issue 20.3): the outcome, the ratio over each baseline with its interval from the paired
     rounds, the A/A noise, and the KL divergence of a lossy recommendation (issue 20.4)."""
-    from orchestrator.learn import LLAMA_CPP, LLAMA_CPP_PYTHON
+    from orchestrator.learn import LLAMA_CPP, LLAMA_CPP_PYTHON, SINGLE_STREAM
 
     if not claims:
         return {}
@@ -404,6 +404,8 @@ def claim_fields(claims: dict | None) -> dict:
         out["vs_llama_cpp"] = f"best candidate: {claims['best_candidate']['text']}"
     if LLAMA_CPP_PYTHON in vs:
         out["vs_llama_cpp_python"] = vs[LLAMA_CPP_PYTHON]["text"]
+    if SINGLE_STREAM in vs:  # a served study's (issue 22.5)
+        out["vs_single_stream"] = vs[SINGLE_STREAM]["text"]
     if "noise" in claims:
         out["noise_aa"] = claims["noise"]["text"]
     if claims.get("kl_divergence") is not None:

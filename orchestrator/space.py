@@ -42,14 +42,21 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from workers.hardware import Fingerprint
 from workers.knobs import BY_FIELD as _K
+from workers.knobs import SERVER_FIELDS
 from workers.models import ModelInfo
-from workers.objective import TG, Objective
+from workers.objective import PP, TG, Objective
 from workers.objective import objective as objective_named
 from workers.placement import gpu_need, gpu_working_set
-from workers.trial import BenchParams
+from workers.trial import BenchParams, ServedWorkload
 
 _N = {name: knob.optuna_name for name, knob in _K.items()}  # each knob's Optuna parameter name
 SWITCHES = ("no_kv_offload",)  # knobs searched over all their choices where the knob table says they apply
+SERVER_SWITCHES = ("kv_unified", "cache_idle_slots")  # a served study's llama-server switches
+CTX_PER_SLOT = "ctx_per_slot"  # the Optuna parameter of a served study's context per slot (-c = slots x it)
+SERVER_DEFAULT_SLOTS = 4  # llama-server's -np auto (tools/server/server.cpp)
+# what llama-server does with these switches unset once -np is given (common/common.h: kv_unified
+# false, cache_idle_slots true; -np auto alone turns kv_unified on)
+SERVER_SWITCH_DEFAULTS = {"kv_unified": False, "cache_idle_slots": True}
 MIN_BATCH = 32
 MAX_BATCH = 4096
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -122,6 +129,11 @@ class SearchSpace:
     threads_log: bool = False  # threads proposed on a log scale (1 -> 2 weighs as 8 -> 16)
     switches: tuple[str, ...] = ()  # further knobs searched over all their choices in every trial
     gpu_budget_bytes: int = 0  # issue 23.1: configurations estimated over it are refused; 0: no budget
+    # a served study (issue 22.3): llama-server's own knobs; () / 0: left at llama-server's defaults
+    parallel_max: int = 0  # slots searched 1..this (log scale)
+    ctx_per_slot: tuple[int, ...] = ()  # context per slot searched (-c is slots x this)
+    server_switches: tuple[str, ...] = ()  # llama-server's switches searched over both values
+    cache_ram_choices: tuple[int | None, ...] = ()  # host prompt cache sizes (None: llama-server's 8192 MiB)
 
     @classmethod
     def for_target(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, objective: Objective = TG,
@@ -158,6 +170,23 @@ class SearchSpace:
             gpu_budget_bytes=gpu_budget or 0,
         )
 
+    @classmethod
+    def for_served(cls, fp: Fingerprint, model: ModelInfo, n_prompt: int, n_gen: int, served: ServedWorkload,
+                   moe: MoeLayout | None = None, lossy: bool = False, gpu_budget: int | None = None) -> SearchSpace:
+        """A served study's space (issue 22.3): the benchmark knobs of a study that measures the
+        prompt (a server's batches mix prompt chunks with decode steps), and llama-server's own:
+        slots up to the users that can be in flight, context per slot from what one request needs
+        (its prompt, the spread and its tokens) to four times that, a unified KV cache, the idle
+        slots' save to the host prompt cache, and that cache on (llama-server's 8 GiB) or off."""
+        base = cls.for_target(fp, model, n_prompt + served.prompt_spread, PP, moe, lossy=lossy,
+                              gpu_budget=gpu_budget)
+        users = served.max_users if served.capacity else served.users
+        need = next_power_of_two(n_prompt + served.prompt_spread + n_gen)
+        limit = model.context_length or need * 4
+        per_slot = tuple(c for c in (need, need * 2, need * 4) if c <= max(limit, need))
+        return replace(base, parallel_max=max(min(users, _K["n_parallel"].high), 1), ctx_per_slot=per_slot,
+                       server_switches=SERVER_SWITCHES, cache_ram_choices=(None, 0))
+
     def over_budget(self, params: BenchParams, model: ModelInfo, n_ctx: int) -> str | None:
         """Why ``params`` must not be loaded (its estimated GPU memory over the study's budget), or
         None (no budget, or it fits)."""
@@ -176,7 +205,8 @@ class SearchSpace:
         """A stored space; keys it lacks take the defaults (what older studies searched)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        for key in ("batch_choices", "fa_modes", "cache_types", "switches"):
+        for key in ("batch_choices", "fa_modes", "cache_types", "switches", "ctx_per_slot", "server_switches",
+                    "cache_ram_choices"):
             if key in values:
                 values[key] = tuple(values[key])
         return cls(**values)
@@ -219,7 +249,22 @@ class SearchSpace:
             values["op_offload"] = _K["op_offload"].suggest(trial)
         for name in self.switches:
             values[name] = _K[name].suggest(trial)
+        values |= self._suggest_server(trial)
         return BenchParams(n_gpu_layers=ngl, n_threads=threads, n_batch=batch, n_ubatch=ubatch, **values)
+
+    def _suggest_server(self, trial) -> dict:
+        """llama-server's knobs, where this is a served study's space."""
+        values: dict = {}
+        if self.parallel_max:
+            slots = _K["n_parallel"].suggest(trial, 1, self.parallel_max)
+            values["n_parallel"] = slots
+            if self.ctx_per_slot:
+                values["n_ctx"] = slots * trial.suggest_categorical(CTX_PER_SLOT, list(self.ctx_per_slot))
+        for name in self.server_switches:
+            values[name] = _K[name].suggest(trial)
+        if self.cache_ram_choices:
+            values["cache_ram"] = _K["cache_ram"].suggest(trial, choices=self.cache_ram_choices)
+        return values
 
     def optuna_params(self, params: BenchParams) -> dict:
         """The Optuna parameter values that propose ``params`` (for enqueueing known configs)."""
@@ -244,6 +289,17 @@ class SearchSpace:
             values[_N["op_offload"]] = params.op_offload
         for name in self.switches:
             values[_N[name]] = getattr(params, name)
+        if self.parallel_max:
+            slots = params.n_parallel or SERVER_DEFAULT_SLOTS
+            values[_N["n_parallel"]] = min(max(slots, 1), self.parallel_max)
+            if self.ctx_per_slot:
+                per = (params.n_ctx or 0) // slots
+                values[CTX_PER_SLOT] = min(self.ctx_per_slot, key=lambda c: (abs(c - per), c))
+        for name in self.server_switches:
+            value = getattr(params, name)
+            values[_N[name]] = SERVER_SWITCH_DEFAULTS[name] if value is None else value
+        if self.cache_ram_choices:
+            values[_N["cache_ram"]] = params.cache_ram if params.cache_ram in self.cache_ram_choices else None
         return values
 
     def clip(self, params: BenchParams) -> BenchParams:
@@ -287,7 +343,23 @@ class SearchSpace:
             n_cpu_moe=min(max(params.n_cpu_moe, 0), self.cpu_moe_max) if ngl > 0 else 0,
             op_offload=params.op_offload if self.op_offload else True,
             **{name: getattr(params, name) if name in self.switches else _K[name].default for name in SWITCHES},
+            **self._clip_server(params),
         )
+
+    def _clip_server(self, params: BenchParams) -> dict:
+        """llama-server's knobs inside this space: as the space's Optuna values say them."""
+        if not self.parallel_max:
+            return {name: None for name in SERVER_FIELDS}
+        values = self.optuna_params(params)
+        out = {name: None for name in SERVER_FIELDS}
+        out["n_parallel"] = values[_N["n_parallel"]]
+        if self.ctx_per_slot:
+            out["n_ctx"] = out["n_parallel"] * values[CTX_PER_SLOT]
+        for name in self.server_switches:
+            out[name] = values[_N[name]]
+        if self.cache_ram_choices:
+            out["cache_ram"] = values[_N["cache_ram"]]
+        return out
 
     def grid(self, max_axis: int = 8) -> dict[str, list]:
         """A coarse grid over this space for the grid sampler (each axis at most ``max_axis``).
@@ -325,6 +397,14 @@ class SearchSpace:
             grid[_N["op_offload"]] = list(_K["op_offload"].choices)
         for name in self.switches:
             grid[_N[name]] = list(_K[name].choices)
+        if self.parallel_max:
+            grid[_N["n_parallel"]] = list(powers_of_two(1, self.parallel_max))
+            if self.ctx_per_slot:
+                grid[CTX_PER_SLOT] = [self.ctx_per_slot[0]]
+        for name in self.server_switches:
+            grid[_N[name]] = list(_K[name].choices)
+        if self.cache_ram_choices:
+            grid[_N["cache_ram"]] = list(self.cache_ram_choices)
         return grid
 
     def size(self) -> int:
@@ -347,6 +427,11 @@ class SearchSpace:
             n *= 2
         for name in self.switches:
             n *= len(_K[name].choices)
+        if self.parallel_max:
+            n *= self.parallel_max * max(len(self.ctx_per_slot), 1)
+        for name in self.server_switches:
+            n *= len(_K[name].choices)
+        n *= max(len(self.cache_ram_choices), 1)
         return n
 
 
@@ -403,6 +488,16 @@ def predicted_optimum(fp: Fingerprint, model: ModelInfo, n_prompt: int, n_gen: i
     except Exception:  # noqa: BLE001 - no prediction is a fine answer (unknown generation, no file...)
         return None
     return params
+
+
+def obvious_slots(params: BenchParams, space: SearchSpace) -> BenchParams | None:
+    """The first thing a user tries on llama-server (issue 22): one slot for every user the space
+    can serve, each with the largest context per slot the space has. None outside a served space."""
+    if not space.parallel_max:
+        return None
+    per_slot = max(space.ctx_per_slot) if space.ctx_per_slot else None
+    return replace(params, n_parallel=space.parallel_max,
+                   n_ctx=space.parallel_max * per_slot if per_slot else None)
 
 
 def compact_cache(params: BenchParams, space: SearchSpace) -> BenchParams | None:

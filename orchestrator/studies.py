@@ -45,18 +45,21 @@ from orchestrator.space import (
     llama_cpp_defaults,
     llama_cpp_python_defaults,
     moe_layout,
+    obvious_slots,
     predicted_optimum,
 )
 from orchestrator.stopping import StopRequest
 from workers import placement
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
+from workers.knobs import SERVER_FIELDS
 from workers.knobs import check_on_node as validate_params
 from workers.models import ModelInfo
-from workers.objective import OBJECTIVES, TG, Objective, e2e_seconds, objective
+from workers.objective import CAPACITY, OBJECTIVES, TG, Objective, e2e_seconds, objective
 from workers.trial import (
     BenchParams,
     FailureKind,
+    ServedWorkload,
     TrialResult,
     TrialSpec,
     Workload,
@@ -153,12 +156,16 @@ class StudyConfig:
     allow_lossy: bool = False  # issue 20.4: search the K/V cache types (they change the outputs)
     confirm_rounds: int = field(default_factory=lambda: default_confirm_rounds())  # issue 20.2: budget of rounds
     gpu_budget: str | None = None  # issue 23.1: "8GiB"; configurations estimated over it are not loaded
+    served: ServedWorkload | None = None  # issue 22.1: how a served objective's trials load llama-server
 
     def __post_init__(self) -> None:
         if isinstance(self.objective, str) and self.objective in OBJECTIVES:
             object.__setattr__(self, "objective", objective(self.objective))
         if self.reps is not None:
             object.__setattr__(self, "workload", replace(self.workload, reps=self.reps))
+        if isinstance(self.objective, Objective) and self.objective.served:
+            served = self.served or ServedWorkload()
+            object.__setattr__(self, "served", replace(served, capacity=self.objective is CAPACITY))
 
     @property
     def target_objective(self) -> Objective:
@@ -182,6 +189,13 @@ class StudyConfig:
         if self.gpu_budget is not None:
             placement.parse_positive_size(self.gpu_budget)
         obj.check_workload(self.workload.n_prompt, self.workload.n_gen)
+        if obj.served:
+            self.served.validate(self.workload.n_prompt)
+            if self.workload.depth:
+                raise BadInput("--depth is for one stream (llama-bench -d); a served study's requests bring their prompts")
+        elif self.served is not None:
+            raise BadInput(f"served load options are for the served objectives (goodput, capacity, throughput), "
+                           f"not {obj.name}")
         check_depth(self.workload, self.model)
         validate_workload(self.workload, self.model)
 
@@ -232,9 +246,15 @@ def _mtime(path: str) -> float | None:
         return None
 
 
-def default_study_name(chip_key: str, model: ModelInfo, objective: Objective | str, workload: Workload) -> str:
+def default_study_name(chip_key: str, model: ModelInfo, objective: Objective | str, workload: Workload,
+                       served: ServedWorkload | None = None) -> str:
     depth = f"-d{workload.depth}" if workload.depth else ""
-    return f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}{depth}"
+    load = ""
+    if served is not None:  # a served study: its load and SLO are part of what it is
+        load = "-" + (f"max{served.max_users}" if served.capacity else
+                      f"r{served.rate:g}" if served.rate else f"u{served.users}") + f"-{served.slo}"
+    return (f"{chip_key}/{model.name}-{model.sha256[:8]}/{objective}-p{workload.n_prompt}-g{workload.n_gen}"
+            f"{depth}{load}")
 
 
 # ---------------------------------------------------------------- jobs and their sources
@@ -508,7 +528,7 @@ class ConfirmRounds(_Counted):
 
         names = [name for name, _ in self.arms]
         candidates = [n for n in names if n.startswith(learn.CANDIDATE)]
-        baselines = [n for n in (learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP) if n in names]
+        baselines = [n for n in (*learn.OTHER_BASELINES, learn.LLAMA_CPP) if n in names]
         if not candidates:
             pairs = [(learn.NOISE_ARM, learn.LLAMA_CPP)] if learn.NOISE_ARM in names else []
         else:
@@ -578,6 +598,11 @@ class ConfirmRounds(_Counted):
         self.running = False
 
 
+def _medians(result: TrialResult, target: Objective) -> dict[str, float | None]:
+    """The median of each kind of sample the objective combines (pp, tg, or a served kind)."""
+    return {kind: stats.median if (stats := result.stats(kind)) else None for kind in target.kinds}
+
+
 def _finite_or(value: float, default: float = -float("inf")) -> float:
     import math
 
@@ -606,11 +631,18 @@ class StudyRunner:
         self.stop = stop if stop is not None else StopRequest()
         self.objective = cfg.target_objective
         self.direction = self.objective.direction.value
-        self.baseline = llama_cpp_python_defaults(target.fingerprint)
-        self.baselines = {  # measured in every study, in this order
-            learn.LLAMA_CPP_PYTHON: self.baseline,
-            learn.LLAMA_CPP: llama_cpp_defaults(target.fingerprint, cfg.model, cfg.workload.n_prompt),
-        }
+        self.served = cfg.served if self.objective.served else None
+        defaults = llama_cpp_defaults(target.fingerprint, cfg.model, cfg.workload.n_prompt)
+        if self.served is None:
+            self.baseline = llama_cpp_python_defaults(target.fingerprint)
+            self.baselines = {  # measured in every study, in this order
+                learn.LLAMA_CPP_PYTHON: self.baseline,
+                learn.LLAMA_CPP: defaults,
+            }
+        else:  # issue 22.5: llama-server's own defaults (-b 2048 -ub 512 whatever the prompt), and
+            # prepare adds the single-stream recommendation
+            self.baseline = llama_cpp_defaults(target.fingerprint, cfg.model)
+            self.baselines = {learn.LLAMA_CPP: self.baseline}
         self.study_id: int | None = None
         self.name = ""
         self.space: SearchSpace | None = None
@@ -636,9 +668,17 @@ class StudyRunner:
         for params in self.baselines.values():
             validate_params(params, fp, cfg.model)
         budget = placement.parse_budget(cfg.gpu_budget, fp) if cfg.gpu_budget else None
-        space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
-                                       moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy,
-                                       gpu_budget=budget)
+        if self.served is not None:
+            space = SearchSpace.for_served(fp, cfg.model, cfg.workload.n_prompt, cfg.workload.n_gen, self.served,
+                                           moe_layout(cfg.model), lossy=cfg.allow_lossy, gpu_budget=budget)
+            single = self._single_stream_recommendation()
+            if single is not None and learn.config_key(single) != learn.config_key(self.baselines[learn.LLAMA_CPP]):
+                validate_params(single, fp, cfg.model)
+                self.baselines[learn.SINGLE_STREAM] = single
+        else:
+            space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
+                                           moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy,
+                                           gpu_budget=budget)
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
@@ -651,6 +691,19 @@ class StudyRunner:
             self._enqueue_starts()
         self._reconcile_optuna()
         self.storage.flush()
+
+    def _single_stream_recommendation(self) -> BenchParams | None:
+        """The chip's newest tg recommendation for this model (issue 22.5: the single-stream
+        recommendation served as it is, llama-server deciding its own knobs); None where none exists."""
+        with self.db.session() as s:
+            model = repo.find_model(s, self.cfg.model.sha256)
+            if model is None:
+                return None
+            recs = repo.latest_recommendations(s, [model.id], self.target.key, str(TG))
+            if not recs or recs[0].simulated != self.target.simulated:
+                return None
+            params = BenchParams.from_dict(recs[0].params)
+        return replace(params, **{name: None for name in SERVER_FIELDS})
 
     def _study_rows(self, space: SearchSpace):
         """Create or take over the study's row; returns the row that existed, if one did."""
@@ -681,6 +734,8 @@ class StudyRunner:
         cfg = self.cfg
         self._check_same(existing, chip, model)
         self.study_id, self.name = existing.id, existing.name
+        if existing.served is not None:  # its load and SLO are what it was created with
+            self.served = ServedWorkload.from_dict(existing.served)
         # what the study was created with, unless an option names another now
         self.sampler = existing.sampler if cfg.sampler == "auto" else cfg.sampler
         self.space = SearchSpace.from_dict(existing.space)
@@ -708,12 +763,14 @@ class StudyRunner:
         if self.sampler == "grid":
             self.budget = min(self.budget, grid_size(space))
         new = repo.NewStudy(
-            name=cfg.name or default_study_name(self.target.key, cfg.model, self.objective, cfg.workload),
+            name=cfg.name or default_study_name(self.target.key, cfg.model, self.objective, cfg.workload,
+                                                self.served),
             chip_id=chip.id, model_id=model.id, objective=str(self.objective),
             n_prompt=cfg.workload.n_prompt, n_gen=cfg.workload.n_gen, depth=cfg.workload.depth,
             reps=self.workload.reps,
             sampler=self.sampler, budget=self.budget, space=space.to_dict(),
             simulated=self.target.simulated, lease_owner=self.owner, lease_heartbeat=repo.utcnow(),
+            served=self.served.to_dict() if self.served else None,
         )
         study = repo.add_named_study(s, new) if cfg.name else repo.add_study_free_name(s, new)
         self.study_id, self.name = study.id, study.name
@@ -734,13 +791,16 @@ class StudyRunner:
         The first design is where the optimum usually is on Apple Silicon (every layer on the
         GPU): bench/search_efficiency.py measures what each part of it saves."""
         fp, w = self.target.fingerprint, self.cfg.workload
-        reference = full_offload(fp, self.cfg.model, self.space)
         defaults = self.baselines[learn.LLAMA_CPP]
-        compact = compact_cache(defaults, self.space) if w.depth else None
-        prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, self.objective)
+        if self.served is not None:  # issue 22: the defaults, the obvious one slot per user, the single stream
+            starts = [defaults, obvious_slots(defaults, self.space), self.baselines.get(learn.SINGLE_STREAM)]
+        else:
+            reference = full_offload(fp, self.cfg.model, self.space)
+            compact = compact_cache(defaults, self.space) if w.depth else None
+            prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, self.objective)
+            starts = [reference, defaults, compact, prediction]
         seen = set()
-        for params in [p for p in (reference, defaults, compact, prediction, *self.cfg.warm_start)
-                       if p is not None]:
+        for params in [p for p in (*starts, *self.cfg.warm_start) if p is not None]:
             values = self.space.optuna_params(self.space.clip(params))
             key = tuple(sorted(values.items()))
             if key not in seen:
@@ -755,6 +815,7 @@ class StudyRunner:
             and study.objective == str(self.objective)
             and (study.n_prompt, study.n_gen, study.depth or 0)
             == (cfg.workload.n_prompt, cfg.workload.n_gen, cfg.workload.depth)
+            and (study.served is None) == (self.served is None)
         )
         if not same:
             depth = f" d{study.depth}" if study.depth else ""
@@ -805,10 +866,8 @@ class StudyRunner:
             missing = [(p, None) for p in self.baselines.values() if learn.config_key(p) not in measured]
             if missing:  # a study resumed from before the second baseline measures it now
                 self._drive(FixedJobs("baseline", missing, self.alive_nodes))
-            w = self.cfg.workload
-            n_ctx = w.depth + w.n_prompt + w.n_gen
             self._drive(SamplerJobs(self.optuna_study, self.space, self.budget, *self._search_memory(),
-                                    refuse=lambda params: self.space.over_budget(params, self.cfg.model, n_ctx)))
+                                    refuse=self._refusal))
             confirm = self._confirm_rounds()
             if confirm is not None:
                 self._drive(confirm)
@@ -824,6 +883,15 @@ class StudyRunner:
             self._pause(str(exc))
             raise
         return self._outcome("complete", draft, version)
+
+    def _refusal(self, params: BenchParams) -> str | None:
+        """Why ``params`` must not be loaded (issue 23.1's GPU budget; a served config whose KV cache
+        or weights cannot fit the node, issue 22.3), or None."""
+        w, model, fp = self.cfg.workload, self.cfg.model, self.target.fingerprint
+        if self.served is not None:
+            budget = self.space.gpu_budget_bytes or placement.gpu_working_set(fp)
+            return placement.served_memory_problem(model, params, fp.memory_bytes, budget)
+        return self.space.over_budget(params, model, w.depth + w.n_prompt + w.n_gen)
 
     def _outcome(self, state, draft, version) -> StudyOutcome:
         complete, failed = self._counts()
@@ -890,6 +958,7 @@ class StudyRunner:
             cooldown_s=self.cfg.cooldown_s,
             trial_key=f"{job.phase}-{job.row_id}",
             measure_kl=bool(self.space.cache_types),  # lossy knobs searched: their cost too (issue 20.4)
+            served=self.served,
         )
 
     def _finished(self, job: Job, result: TrialResult) -> repo.FinishedTrial:
@@ -899,7 +968,7 @@ class StudyRunner:
             w = self.workload
             pp_m = result.pp.median if result.pp else None
             tg_m = result.tg.median if result.tg else None
-            value = self.objective.value(pp_m, tg_m, w.n_prompt, w.n_gen)
+            value = self.objective.value_of(_medians(result, self.objective), w.n_prompt, w.n_gen)
             budget = self.space.gpu_budget_bytes if self.space else 0
             if value is None:
                 result.ok, result.error = False, "no samples for the objective"
@@ -1081,8 +1150,8 @@ class StudyRunner:
             taken.add(key)
             candidates.append((f"{learn.CANDIDATE}{len(candidates) + 1}", decided))
         defaults = self.baselines[learn.LLAMA_CPP]
-        return [(learn.LLAMA_CPP, defaults), *candidates, (learn.LLAMA_CPP_PYTHON, self.baseline),
-                (learn.NOISE_ARM, defaults)]
+        others = [(name, params) for name, params in self.baselines.items() if name != learn.LLAMA_CPP]
+        return [(learn.LLAMA_CPP, defaults), *candidates, *others, (learn.NOISE_ARM, defaults)]
 
     def _confirm_rounds(self) -> ConfirmRounds | None:
         """The confirmation's source. A study resumed during its confirmation keeps its arms and
@@ -1099,8 +1168,7 @@ class StudyRunner:
         w = self.workload
 
         def rate(result: TrialResult) -> float | None:
-            pp, tg = result.pp, result.tg
-            return self.objective.rate(pp.median if pp else None, tg.median if tg else None, w.n_prompt, w.n_gen)
+            return self.objective.rate_of(_medians(result, self.objective), w.n_prompt, w.n_gen)
 
         values: dict[int, dict[str, float | None]] = {}
         if rows:

@@ -39,9 +39,13 @@ build_shared() {  # TARGETS...: one CMake build of the vendored llama.cpp (CUDA 
     # bin/), so both tools run the same compiled code.
     rm -rf "$W/src" && mkdir -p "$W/src" && tar xJf "$D/llama-src.tar.xz" -C "$W/src" || return 1
     local py=$W/src/llama_cpp_python-$LLAMA_SRC_VERSION
+    # SERVER=1: llama-server too, offline (no web UI: the API works without it)
+    local server="-DLLAMA_BUILD_SERVER=OFF"
+    [ "${SERVER:-0}" = 1 ] && server="-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+    # shellcheck disable=SC2086
     cmake -S "$py/vendor/llama.cpp" -B "$W/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF > "$W/build.log" 2>&1 &&
+        -DLLAMA_BUILD_EXAMPLES=OFF $server -DLLAMA_CURL=OFF > "$W/build.log" 2>&1 &&
     cmake --build "$W/build" --target "$@" -j "$(nproc)" >> "$W/build.log" 2>&1 || return 1
     rm -rf /tmp/site/llama_cpp && cp -r "$py/llama_cpp" /tmp/site/llama_cpp && rm -rf /tmp/site/llama_cpp/lib &&
     ln -s "$W/build/bin" /tmp/site/llama_cpp/lib &&

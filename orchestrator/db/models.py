@@ -123,6 +123,8 @@ class Study(Base):
     lease_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # an imported study: the sha256 of the file it came from (an import recognises a file it has)
     source_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    # a served study (issue 22.1): how its trials load the server (workers.trial.ServedWorkload)
+    served: Mapped[dict | None] = mapped_column(JSON)
     chip: Mapped[Chip] = relationship()
     model: Mapped[Model] = relationship()
 
@@ -164,6 +166,8 @@ class Trial(Base):
     confirm_arm: Mapped[str | None] = mapped_column(String(40))  # its arm: a candidate, a baseline, A/A
     kl_divergence: Mapped[float | None] = mapped_column(Float)  # against the f16 KV cache (issue 20.4)
     gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)  # llama.cpp's GPU buffers at the peak (issue 23.1)
+    # a served trial (issue 22.1): each level's figures and /metrics, the server's build and argv
+    served: Mapped[dict | None] = mapped_column(JSON)
     study: Mapped[Study] = relationship()
     node: Mapped[Node | None] = relationship()
     samples: Mapped[list[SampleRow]] = relationship(
@@ -182,6 +186,23 @@ class SampleRow(Base):
     n_tokens: Mapped[int] = mapped_column(Integer)
     seconds: Mapped[float] = mapped_column(Float)
     trial: Mapped[Trial] = relationship(back_populates="samples")
+
+
+class ServedRequest(Base):
+    """Every request of every served trial, as the load loop timed it (workers/slo.py's record)."""
+
+    __tablename__ = "ft_served_requests"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("ft_trials.id", ondelete="CASCADE"), index=True)
+    level: Mapped[int] = mapped_column(Integer)  # the trial's level of load (capacity searches have several)
+    users: Mapped[int | None] = mapped_column(Integer)  # its concurrency (None: Poisson arrivals)
+    start_s: Mapped[float] = mapped_column(Float)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    gen_tokens: Mapped[int] = mapped_column(Integer)
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    e2e_s: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+    warmup: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class Recommendation(Base):

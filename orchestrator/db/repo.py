@@ -20,6 +20,7 @@ from orchestrator.db.models import (
     Rollout,
     RolloutNode,
     SampleRow,
+    ServedRequest,
     Study,
     Trial,
     utcnow,
@@ -106,6 +107,10 @@ def upsert_model(session: Session, info: ModelInfo, mtime: float | None = None) 
         model.path_mtime = mtime
     session.flush()
     return model
+
+
+def find_model(session: Session, sha256: str) -> Model | None:
+    return session.scalar(select(Model).where(Model.sha256 == sha256))
 
 
 def list_models(session: Session) -> list[Model]:
@@ -216,6 +221,7 @@ class NewStudy:
     lease_owner: str | None = None  # the driver creating it holds it from the start
     lease_heartbeat: datetime | None = None
     source_sha256: str | None = None  # an imported study: the file it came from
+    served: dict | None = None  # a served study's ServedWorkload (issue 22.1)
 
     def columns(self) -> dict:
         return {field: getattr(self, field) for field in self.__dataclass_fields__}
@@ -372,7 +378,7 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
     if not finished:
         return
     now = utcnow()
-    rows, samples = [], []
+    rows, samples, requests = [], [], []
     for f in finished:
         r = f.result
         row = {"id": f.trial_id, "state": "complete" if r.ok else "failed", "error": r.error,
@@ -392,12 +398,33 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
                     f"{kind}_tps_mean": stats.mean if stats else None,
                     f"{kind}_tps_stddev": stats.stddev if stats else None,
                     f"{kind}_cv": stats.cv if stats else None}
+        if r.served is not None:
+            row["served"] = {k: v for k, v in r.served.items() if k != "levels"} | {
+                "levels": [{k: v for k, v in level.items() if k != "records"} for level in r.served.get("levels", [])]}
+            requests += served_request_rows(f.trial_id, r.served)
         rows.append(row)
         samples += [{"trial_id": f.trial_id, "kind": s.kind, "rep": s.rep, "n_tokens": s.n_tokens,
                      "seconds": s.seconds} for s in r.samples]
     _update_trials(session, rows)
     if samples:
         session.execute(insert(SampleRow), samples)
+    if requests:
+        session.execute(insert(ServedRequest), requests)
+
+
+_REQUEST_FIELDS = ("start_s", "prompt_tokens", "gen_tokens", "ttft_s", "e2e_s", "error", "warmup")
+
+
+def served_request_rows(trial_id: int, served: dict) -> list[dict]:
+    """A served trial's requests as rows of ft_served_requests (issue 22.1), level by level."""
+    return [{"trial_id": trial_id, "level": i, "users": level.get("users"),
+             **{name: record.get(name) for name in _REQUEST_FIELDS}}
+            for i, level in enumerate(served.get("levels", [])) for record in level.get("records", [])]
+
+
+def served_requests(session: Session, trial_id: int) -> list[ServedRequest]:
+    return list(session.scalars(select(ServedRequest).where(ServedRequest.trial_id == trial_id)
+                                .order_by(ServedRequest.id)))
 
 
 def finish_trial(session: Session, trial_id: int, result: TrialResult, *, objective_value: float | None,
