@@ -41,7 +41,8 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from workers import placement
 from workers.errors import BadInput
@@ -130,6 +131,8 @@ def refusal(chip: Fingerprint, shape: ModelInfo, config: ServerConfig, load: Ser
 
 @dataclass
 class _Slot:
+    """A busy slot: whose request it serves, since when, and how far it is (rules 3-5)."""
+
     user: int
     arrival: float
     warmup: bool
@@ -261,21 +264,15 @@ class Capacity:
             "slots": config.slots if config else None, "ctx_per_slot": config.ctx_per_slot if config else None,
             "aggregate_tps": _rounded(self.aggregate_tps, 1), "tps_p10": _rounded(self.tps_p10, 1),
             "ttft_p90_s": _rounded(self.ttft_p90, 3), "flags": config.flags() if config else None,
-            "why_not_more": self.why_not_more, "simulated": True,
+            "why_not_more": self.why_not_more, "simulated": self.simulated,
         }
-
-    def to_dict(self) -> dict:
-        out = self.row()
-        out["config"] = self.config.to_dict() if self.config else None
-        out["figures"] = asdict(self.figures) if self.figures else None
-        return out
 
 
 def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def _search_users(meets, max_users: int) -> tuple[int, int | None]:
+def _search_users(meets: Callable[[int], bool], max_users: int) -> tuple[int, int | None]:
     """Rule 6: the most users for which ``meets`` holds (0 if not even 1), and the first level
     found not to hold (None if every level up to ``max_users`` held)."""
     if not meets(1):
