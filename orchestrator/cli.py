@@ -32,6 +32,7 @@ from workers.hardware import fingerprint_from_dir, fingerprint_live, gpu_unused
 from workers.models import ARCH_SHAPES, SYNTH_QUANTS
 from workers.objective import OBJECTIVE_NAMES, OBJECTIVES
 from workers.objective import objective as objective_named
+from workers.slo import DEFAULT_SLO_TEXT, parse_slo
 from workers.trial import BenchParams, ServedWorkload, Workload, llama_cpp_python_code
 
 # llamabench.EXPORT_FORMATS, spelled out so that --help does not import the database layer
@@ -85,6 +86,16 @@ class ObjectiveChoice(click.Choice):
         return objective_named(value).name
 
 
+class SLOType(click.ParamType):
+    """An SLO as workers/slo.py parses it (``ttft_p90=1s,tps_p10=20``); anything else is fleettune's
+    one-line error (``BadInput``), not click's usage block."""
+
+    name = "SLO"
+
+    def convert(self, value, param, ctx):
+        return value if not isinstance(value, str) else parse_slo(value)
+
+
 OBJECTIVE_HELP = "; ".join(f"{o.name}: {o.description}" for o in OBJECTIVES.values())
 SCENARIOS = ("calibrated", "seed")  # workers.simulated.SCENARIOS, without importing numpy for --help
 MAX_TOKENS = 2**31 - 1
@@ -123,6 +134,10 @@ apply_timeout_option = _reusable("--apply-timeout", default=60.0, show_default=T
 force_option = _reusable("--force", is_flag=True)
 quant_option = _reusable("--quant", default="q4_0", show_default=True, help="Quantisation of a named shape.")
 seed_option = _reusable("--seed", type=int, help="Sampler seed, for reproducible proposals.")
+all_chips_option = _reusable("--all-chips", is_flag=True)
+slo_option = _reusable("--slo", type=SLOType(), default=DEFAULT_SLO_TEXT, show_default=True,
+                       help="Limits on served-request percentiles: ttft/itl/e2e (s, ms, us) at most, tps at least, "
+                            "e.g. ttft_p90=1s,itl_p90=50ms,tps_p10=20; err=0.01 tolerates 1 % failed requests.")
 output_file_option = _reusable("-o", "--output", dest="out", type=click.Path(dir_okay=False),
                                help="File (default: stdout).")
 format_option = _reusable("--format", dest="fmt", type=click.Choice(FORMATS), default="table",
@@ -455,7 +470,7 @@ def _progress_printer(console):
               help=f"Study name (default: chip/model/workload; at most {MAX_STUDY_NAME_CHARS} characters).")
 @click.option("--resume", is_flag=True, help="Continue the study instead of starting a new one.")
 @chip_option(help="Chip key to tune (needed when the cluster has several).")
-@click.option("--all-chips", is_flag=True, help="One study per chip in the cluster, all at once.")
+@all_chips_option(help="One study per chip in the cluster, all at once.")
 @address_option(help="Ray cluster address HOST:PORT (default: embedded Ray on this machine).")
 @seed_option()
 @timeout_option()
@@ -1369,11 +1384,15 @@ def sim() -> None:
     """The calibrated Apple Silicon performance model (simulated, never mixed with real data)."""
 
 
+model_shape_option = _reusable(
+    "--model-shape", required=True,
+    help="llama2-7b | llama3-8b | llama2-13b | qwen3-0.6b | qwen3-30b-a3b | gemma2-2b | PATH.gguf")
+
+
 def sim_options(func):
     for option in reversed([
         chip_option(dest="chip_text", required=True, help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192".'),
-        click.option("--model-shape", required=True,
-                     help="llama2-7b | llama3-8b | llama2-13b | qwen3-0.6b | qwen3-30b-a3b | gemma2-2b | PATH.gguf"),
+        model_shape_option(),
         quant_option(),
         prompt_tokens_option(type=click.IntRange(0, MAX_TOKENS), help=None),
         gen_tokens_option(type=click.IntRange(0, MAX_TOKENS), help=None),
@@ -1384,15 +1403,17 @@ def sim_options(func):
     return func
 
 
+def _sim_shape(model_shape: str, quant: str):
+    from workers import simulated
+
+    return simulated.shape_from_gguf(model_shape) if model_shape.endswith(".gguf") else \
+        simulated.model_shape(model_shape, quant)
+
+
 def _sim_target(chip_text: str, model_shape: str, quant: str):
     from workers import simulated
 
-    chip = simulated.parse_chip(chip_text)
-    if model_shape.endswith(".gguf"):
-        shape = simulated.shape_from_gguf(model_shape)
-    else:
-        shape = simulated.model_shape(model_shape, quant)
-    return chip, shape
+    return simulated.parse_chip(chip_text), _sim_shape(model_shape, quant)
 
 
 @sim.command("predict")
@@ -1438,6 +1459,48 @@ def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
         "simulated": True,
     }
     click.echo(render_record(record, fmt))
+
+
+CAPACITY_COLUMNS = [
+    Column("chip", "chip", no_wrap=True),
+    Column("users", "users", justify="right"),
+    Column("slots", "slots", justify="right"),
+    Column("ctx_per_slot", "ctx/slot", justify="right"),
+    Column("aggregate_tps", "agg t/s", ".1f", "right", long_header="aggregate tok/s"),
+    Column("tps_p10", "user t/s p10", ".1f", "right", long_header="per-user tok/s p10"),
+    Column("ttft_p90_s", "TTFT p90 s", ".3f", "right"),
+    Column("limited_by", "limit"),
+    Column("simulated", "sim"),
+]
+
+
+@sim.command("capacity")
+@chip_option(dest="chip_text", help='Chip bin, e.g. "M3 Max/40" or "M2 Ultra/76/192" (or --all-chips).')
+@model_shape_option()
+@quant_option()
+@slo_option()
+@prompt_tokens_option(type=click.IntRange(1, MAX_TOKENS), default=280, help="Prompt tokens of each request.")
+@gen_tokens_option(type=click.IntRange(1, MAX_TOKENS), default=128, help="Tokens each request generates.")
+@click.option("--slots", type=click.IntRange(1, 256), default=None,
+              help="llama-server's -np, fixed (default: searched, 1, 2, 4, ... while they fit).")
+@click.option("--ctx-per-slot", type=click.IntRange(1, MAX_TOKENS), default=None,
+              help="Context of each slot, with --slots (default: the request's tokens, rounded up to 256).")
+@all_chips_option(help="Every M1-M4 bin at its base memory.")
+@output_options()
+def sim_capacity(chip_text, model_shape, quant, slo, prompt_tokens, gen_tokens, slots, ctx_per_slot, all_chips,
+                 fmt) -> None:
+    """Concurrent users a chip serves within an SLO on llama-server (simulated): closed-loop users
+    against continuous batching, the slots and context that serve the most."""
+    from workers import simulated, simulated_served
+
+    if all_chips == (chip_text is not None):
+        raise BadInput("give --chip CHIP or --all-chips (one of them)")
+    chips = simulated.all_chips() if all_chips else [simulated.parse_chip(chip_text)]
+    shape = _sim_shape(model_shape, quant)
+    found = simulated_served.capacity_per_chip(chips, shape, slo, prompt_tokens, gen_tokens, slots, ctx_per_slot)
+    click.echo(render([c.row() for c in found], CAPACITY_COLUMNS, fmt,
+                      title=f"{shape.shape_name} {shape.quant} at {slo}, {prompt_tokens} prompt + {gen_tokens} "
+                            f"generated tokens per request (simulated)"))
 
 
 # ---------------------------------------------------------------- db

@@ -96,6 +96,16 @@ def test_sim_optimum_of_an_objective_with_no_tokens_is_one_line():
                        "--objective", "tg"), "needs --gen-tokens")
 
 
+@pytest.mark.parametrize("option, match", [
+    (["--chip", "M2 Ultra/abc"], "chip"),
+    (["--chip", "M2 Ultra/76", "--slo", "ttft_p90=fast"], "--slo"),
+    (["--chip", "M2 Ultra/76", "--slo", "tps_p10=20,tps_p50=30"], "tps is limited twice"),
+    (["--chip", "M2 Ultra/76", "--slots", "2", "--ctx-per-slot", "100"], "context per slot 100"),
+])
+def test_sim_capacity_with_bad_input_is_one_line(option, match):
+    one_line_error(cli("sim", "capacity", "--model-shape", "llama3-8b", *option), match)
+
+
 def test_fleet_simulate_with_a_malformed_mix_is_one_line_and_starts_nothing():
     one_line_error(cli("fleet", "simulate", "--mix", "M2 Ultra/x:2"), "GPU cores 'x'")
 
