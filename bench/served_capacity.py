@@ -10,7 +10,9 @@ keeps the aggregate and per-user generation rates: the per-user against aggregat
         --config "study=-np 64 -c 131072 -cram 0" -p 280 -n 128 --slo ttft_p90=1s,tps_p10=20 \\
         --max-users 128 --requests 64 --rounds 1 -o capacity.json [--plot pareto.png]
 
-A config of no flags ("defaults=") gives llama-server nothing: every knob is its own default.
+A config of no flags ("defaults=") gives llama-server nothing: every knob is its own default. Flags
+are read over llama.cpp's defaults (every layer on the GPU, -t the physical cores, -b 2048 -ub 512,
+-fa auto), so "-np 32 -c 65536" changes only the slots and the context.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from workers.models import read_model_info  # noqa: E402
 from workers.trial import BenchParams, ServedWorkload, TrialSpec, Workload  # noqa: E402
 
 
-def parse_config(text: str, n_layer: int) -> tuple[str, BenchParams | None]:
+def parse_config(text: str, info, base: BenchParams) -> tuple[str, BenchParams | None]:
+    """NAME=FLAGS: the flags over llama.cpp's own defaults (``base``); no flags: None."""
     name, _, flags = text.partition("=")
     if not name or not _:
         raise SystemExit(f"--config {text!r}: NAME=FLAGS")
-    return name, (BenchParams.from_llama_flags(flags, n_layer) if flags.strip() else None)
+    return name, (BenchParams.from_llama_flags(flags, info.n_layer, base=base) if flags.strip() else None)
 
 
 def one(model: str, sha256: str, params: BenchParams | None, workload: Workload, load: ServedWorkload,
@@ -71,7 +74,11 @@ def main() -> None:
     parser.add_argument("--plot", help="PNG: per-user p10 against aggregate tok/s, each config's levels")
     args = parser.parse_args()
     info = read_model_info(args.model)
-    configs = [parse_config(text, info.n_layer) for text in args.config]
+    from orchestrator.space import llama_cpp_defaults
+    from workers.hardware import fingerprint_live
+
+    base = llama_cpp_defaults(fingerprint_live(), info)  # what llama-server runs with unless told
+    configs = [parse_config(text, info, base) for text in args.config]
     workload = Workload(n_prompt=args.prompt_tokens, n_gen=args.gen_tokens, reps=1)
     load = ServedWorkload(requests=args.requests, windows=1, capacity=True, max_users=args.max_users, slo=args.slo,
                           window_s=args.timeout)

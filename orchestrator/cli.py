@@ -198,6 +198,8 @@ def served_options(command: Callable) -> Callable:
     def with_load(*args, **kwargs):
         given = {name: kwargs.pop(name) for name in names}
         given = {name: value for name, value in given.items() if value is not None}
+        if "slo" in given:
+            given["slo"] = str(given["slo"])  # stored with the study as its text
         served = given or objective_named(kwargs.get("objective") or "tg").served
         kwargs["served"] = ServedWorkload(**given) if served else None
         return command(*args, **kwargs)
@@ -209,11 +211,11 @@ def served_options(command: Callable) -> Callable:
         (("--requests",), "requests", int, f"Served: measured requests per window [default: {d.requests}]."),
         (("--windows",), "windows", int, f"Served: windows per trial, its repetitions [default: {d.windows}]."),
         (("--max-users",), "max_users", int, f"Served, capacity: most users searched [default: {d.max_users}]."),
-        (("--slo",), "slo", str, f"Served: latency SLO, e.g. ttft_p90=1s,itl_p90=50ms,tps_p10=20 [default: {d.slo}]."),
         (("--prompt-spread",), "prompt_spread", int, "Served: prompt lengths uniform in -p -/+ this [default: 0]."),
     )):
         with_load = click.option(*decls, name, type=kind, default=None, help=text)(with_load)
-    return with_load
+    return slo_option(default=None, show_default=False,
+                      help=f"Served: latency SLO, e.g. ttft_p90=1s,itl_p90=50ms,tps_p10=20 [default: {d.slo}].")(with_load)
 
 
 def output_options(default: str = "table") -> Callable:

@@ -192,9 +192,11 @@ def recommend(
         return {**spread, "pp": pp_med, "tg": tg_med} if spread else None
 
     baseline_group = [r for r in records if r.phase == "baseline"]
-    if baselines is None:  # the study's order: llama-cpp-python's defaults, then llama.cpp's
+    if baselines is None:  # the study's order: llama-cpp-python's defaults, then llama.cpp's (a served
+        # study's: llama-server's defaults, then the single-stream recommendation)
         distinct = list({config_key(r.params): r.params for r in baseline_group}.values())
-        baselines = dict(zip((LLAMA_CPP_PYTHON, LLAMA_CPP), distinct, strict=False))
+        order = (LLAMA_CPP, SINGLE_STREAM) if target.served else (LLAMA_CPP_PYTHON, LLAMA_CPP)
+        baselines = dict(zip(order, distinct, strict=False))
     baseline_keys = {name: asked.get(config_key(params), config_key(params)) for name, params in baselines.items()}
     for key in baseline_keys.values():  # a measured baseline always competes
         if key in by_config and by_config[key] not in candidates:

@@ -11,6 +11,8 @@ from orchestrator.db.session import retrying
 from workers.errors import BadInput
 from workers.hardware import Fingerprint
 from workers.models import ModelInfo
+from workers.objective import CAPACITY
+from workers.slo import DEFAULT_SLO_TEXT
 from workers.trial import BenchParams
 
 
@@ -70,13 +72,40 @@ def recommend(db: Database, model: ModelInfo, chip_key: str, objective: str = "t
                     "baselines": rec.baselines or {}, "gains": {
                         name: rec.expected_tps / value - 1 for name, value in (rec.baselines or {}).items() if value}}
     hw = hardware(db, chip_key)
-    model_predictor, simulated = predictor(db, objective)
+    try:
+        model_predictor, simulated = predictor(db, objective)
+    except BadInput:
+        if objective == CAPACITY.name and hw.vendor == "Apple":  # issue 22.6: the calibrated model's
+            return simulated_capacity(hw, model)
+        raise
     pred = model_predictor.predict(hw, model)
     return {"chip": chip_key, "model": model.name, "objective": objective, "source": "predicted",
             "flags": pred.params.llama_cpp_flags(), "llama_cpp_python": pred.params.llama_cpp_python_kwargs(),
             "expected_tps": pred.expected_tps, "interval": list(pred.interval), "version": None,
             "evidence": [key for key, _ in pred.nearest], "simulated": simulated,
             "n_examples": pred.n_examples}
+
+
+def simulated_capacity(hw, model: ModelInfo, slo_text: str = DEFAULT_SLO_TEXT, prompt_tokens: int = 280,
+                       gen_tokens: int = 128) -> dict:
+    """An Apple chip's capacity predicted by the calibrated model (workers/simulated_served.py), where
+    no served study of this objective exists yet: the users it serves at the SLO and the config."""
+    from workers import simulated, simulated_served
+    from workers.slo import parse_slo
+
+    try:
+        shape = simulated.shape_for_path(model.path)
+    except Exception as exc:  # noqa: BLE001 - a model the simulator cannot shape: no prediction
+        raise BadInput(f"no served study of {model.name} and no simulated shape for it: {exc}") from None
+    found = simulated_served.capacity(hw, shape, parse_slo(slo_text), prompt_tokens, gen_tokens)
+    config = found.config
+    return {"chip": hw.chip_key, "model": model.name, "objective": CAPACITY.name, "source": "predicted (simulated)",
+            "flags": config.flags() if config else None,
+            "llama_cpp_python": config.params.llama_cpp_python_kwargs() if config else None,
+            "expected_tps": float(found.users), "interval": [float(found.users), float(found.users)],
+            "version": None, "evidence": [], "simulated": True, "slo": slo_text,
+            "load": f"{prompt_tokens} prompt + {gen_tokens} generated tokens per request",
+            "limited_by": found.limited_by}
 
 
 def warm_start(db: Database, chip_key: str, model: ModelInfo, objective: str, simulated: bool

@@ -890,7 +890,8 @@ class StudyRunner:
         w, model, fp = self.cfg.workload, self.cfg.model, self.target.fingerprint
         if self.served is not None:
             budget = self.space.gpu_budget_bytes or placement.gpu_working_set(fp)
-            return placement.served_memory_problem(model, params, fp.memory_bytes, budget)
+            return placement.served_memory_problem(model, params, fp.memory_bytes, budget,
+                                                   discrete_gpu=bool(fp.gpu_memory_bytes))
         return self.space.over_budget(params, model, w.depth + w.n_prompt + w.n_gen)
 
     def _outcome(self, state, draft, version) -> StudyOutcome:

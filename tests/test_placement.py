@@ -180,3 +180,24 @@ def test_a_resumed_study_keeps_its_budget_and_refuses_another(sqlite_url):
     same = runner(sqlite_url, name="kept", resume=True)  # no --gpu-budget: the stored one holds
     same.prepare()
     assert same.space.gpu_budget_bytes == 4 * GIB
+
+
+def test_a_server_whose_kv_cache_cannot_fit_is_refused_before_it_runs():
+    """Issue 22.3: every slot's context is allocated at start; unified memory holds weights and KV
+    together, a discrete GPU holds its own share and leaves the host the rest."""
+    from dataclasses import replace
+
+    from workers import simulated
+    from workers.placement import GIB, served_context, served_memory_problem
+    from workers.trial import BenchParams
+
+    shape = simulated.model_shape("llama3-8b", "q4_0")
+    cpu = BenchParams(n_threads=8)
+    assert served_context(shape, cpu) == shape.context_length  # llama-server's default: the model's
+    assert served_memory_problem(shape, replace(cpu, n_parallel=4, n_ctx=4 * 4096), 32 * GIB, None) is None
+    big = replace(cpu, n_parallel=64, n_ctx=64 * 8192)  # 64 GiB of f16 KV cache
+    assert "does not fit memory" in served_memory_problem(shape, big, 32 * GIB, None)
+    on_gpu = replace(big, n_gpu_layers=shape.n_layer + 1)
+    assert "does not fit the GPU" in served_memory_problem(shape, on_gpu, 128 * GIB, 40 * GIB)
+    assert served_memory_problem(shape, on_gpu, 32 * GIB, 140 * GIB, discrete_gpu=True) is None  # in VRAM
+    assert "does not fit memory" in served_memory_problem(shape, on_gpu, 32 * GIB, 140 * GIB)  # unified: RAM

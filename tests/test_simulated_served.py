@@ -198,3 +198,35 @@ def test_sim_capacity_bad_input_is_one_line(extra, match):
     assert result.exit_code == 2, result.output
     err = result.stderr.strip()
     assert err.startswith("error: ") and "\n" not in err and match in err and result.stdout == "", err
+
+
+def test_a_served_study_on_a_simulated_mac_finds_more_users_than_llama_servers_defaults(sqlite_url, ray_cluster):
+    """The served kind through the one study loop on simulated M2 Ultras (issue 22): a capacity
+    study searches llama-server's knobs; its recommendation is never below the defaults' capacity."""
+    from orchestrator import learn
+    from orchestrator.db import open_database, repo
+    from orchestrator.studies import StudyConfig
+    from orchestrator.tune import tune
+    from tests.conftest import SIM_CHIPS
+    from workers import simulated
+    from workers.trial import BenchParams, ServedWorkload, Workload
+
+    db = open_database(sqlite_url)
+    model = simulated.sim_model_info("sim://llama3-8b/q4_0")
+    cfg = StudyConfig(model=model, n_trials=10, seed=4, objective="capacity", confirm_top=1, confirm_rounds=3,
+                      workload=Workload(n_prompt=280, n_gen=128, reps=1),
+                      served=ServedWorkload(max_users=64, requests=16, slo="ttft_p90=1s,tps_p10=20"))
+    outcome = tune(db, cfg, chip_key=SIM_CHIPS["M2 Ultra/76"], warm=False)
+    rec = outcome.recommendation
+    assert rec is not None and rec.simulated
+    with db.session() as s:
+        study = repo.get_study(s, outcome.name)
+        trials = repo.study_trials(s, study.id)
+        searched = [BenchParams.from_dict(t.params) for t in trials if t.phase == "search"]
+        baseline = next(t for t in trials if t.phase == "baseline")
+        defaults_capacity = baseline.objective_value
+    assert len({p.n_parallel for p in searched}) > 2  # the slots were searched
+    assert defaults_capacity == 4  # llama-server's 4 auto slots: the 5th user queues past the SLO
+    assert rec.expected_tps >= defaults_capacity
+    assert learn.LLAMA_CPP in rec.baselines
+    assert all(paired["verdict"] != "slower" for paired in rec.claims.get("vs", {}).values())

@@ -87,20 +87,20 @@ def served_context(shape: ModelInfo, params: BenchParams) -> int:
 
 
 def served_memory_problem(shape: ModelInfo, params: BenchParams, memory_bytes: int | None,
-                          gpu_budget: int | None) -> str | None:
+                          gpu_budget: int | None, discrete_gpu: bool = False) -> str | None:
     """Why a server with ``params`` cannot fit this node (issue 22.3: refused before it runs), or
     None. Its whole KV cache is allocated at start (every slot's context): the GPU's part must fit
-    ``gpu_budget`` (the budget, or the GPU's working set), and weights plus every layer's KV cache
-    ``HOST_MEMORY_FRACTION`` of the node's memory (unified memory holds both on a Mac)."""
+    ``gpu_budget`` (the budget, or the GPU's working set), and the rest ``HOST_MEMORY_FRACTION`` of
+    the node's memory: on unified memory (a Mac) or a CPU node that is weights plus every layer's KV
+    cache; beside a discrete GPU (``discrete_gpu``), what the GPU does not hold."""
     n_ctx = served_context(shape, params)
-    if gpu_budget and params.n_gpu_layers > 0:
-        need = gpu_need(shape, params, n_ctx)
-        if need.total > gpu_budget:
-            return (f"does not fit the GPU: a {n_ctx}-token KV cache needs {need.describe()} > "
-                    f"{gpu_budget / GIB:.2f} GiB (estimated)")
+    need = gpu_need(shape, params, n_ctx) if params.n_gpu_layers > 0 else MemoryNeed(0.0, 0.0, 0.0)
+    if gpu_budget and params.n_gpu_layers > 0 and need.total > gpu_budget:
+        return (f"does not fit the GPU: a {n_ctx}-token KV cache needs {need.describe()} > "
+                f"{gpu_budget / GIB:.2f} GiB (estimated)")
     if memory_bytes:
         kv = shape.kv_elements * (KV_BYTES[params.type_k] + KV_BYTES[params.type_v]) * n_ctx * shape.n_layer
-        total = shape.size_bytes + kv
+        total = shape.size_bytes + kv - (need.weights + need.kv_cache if discrete_gpu else 0.0)
         if total > memory_bytes * HOST_MEMORY_FRACTION:
             return (f"does not fit memory: weights {shape.size_bytes / GIB:.2f} GiB + a {n_ctx}-token KV cache "
                     f"{kv / GIB:.2f} GiB > {HOST_MEMORY_FRACTION:.0%} of {memory_bytes / GIB:.1f} GiB (estimated)")

@@ -13,9 +13,10 @@ whose samples are one per measured window, in the served kinds of workers/object
 
 Rules (numbered as the code cites them):
 
-1. The server gets the config's flags and nothing else but its address, its model, ``--metrics``
-   and no web UI: every knob the config leaves unset is llama-server's own default, and the
-   values the server chose are read back (its log and /props) as the trial's effective config.
+1. The server gets the config's flags and nothing else but its address, its model, ``--metrics``,
+   no web UI and a log verbosity at which it states what it ran: every knob the config leaves
+   unset is llama-server's own default, and the values the server chose are read back (its log
+   and /props) as the trial's effective config, with the GPU memory its buffers took.
 2. The load never stops between the windows of one trial (an idle Apple GPU is slow to wake:
    issue 22.7): one continuous closed loop, its requests cut into windows by order of sending,
    after the warm-up requests (dropped).
@@ -49,7 +50,8 @@ from workers import llamatools, slo
 from workers.objective import CAP, GOOD, THRU
 from workers.trial import BenchParams, FailureKind, Sample, ServedWorkload, TrialResult, TrialSpec
 
-MAX_LEVELS = 10  # rule 3: levels a capacity search measures at most
+LOG_VERBOSITY = 4  # rule 1: llama-server states its context's values (n_seq_max, n_ctx, n_batch...) from here up
+MAX_LEVELS = 16  # rule 3: levels a capacity search measures at most (a full search to 128 users takes 14)
 STOP_GRACE_S = 10.0  # a stopped server has this long to exit before SIGKILL
 _OOM = re.compile(r"out of memory|failed to allocate|cudaMalloc failed|insufficient memory|"
                   r"failed to create context|unable to allocate", re.IGNORECASE)
@@ -74,7 +76,7 @@ def server_argv(binary: str, model_path: str, params: BenchParams | None, port: 
     decides every knob), the address, the model, --metrics, no web UI."""
     flags = params.llama_cpp_flags("llama-server").split() if params is not None else []
     return [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--alias", "model",
-            "--metrics", "--no-webui", *flags]
+            "--metrics", "--no-webui", "-lv", str(LOG_VERBOSITY), *flags]
 
 
 class Server:
@@ -152,7 +154,7 @@ class Server:
 
 
 _LOG_NUMBERS = {  # llama_context's lines (src/llama-context.cpp) and common's system_info
-    "n_parallel": r"n_seq_max\s*=\s*(\d+)",
+    "n_parallel": r"llama_context: n_seq_max\s*=\s*(\d+)",
     "n_ctx": r"llama_context: n_ctx\s*=\s*(\d+)",
     "n_batch": r"llama_context: n_batch\s*=\s*(\d+)",
     "n_ubatch": r"llama_context: n_ubatch\s*=\s*(\d+)",
@@ -221,44 +223,42 @@ def windows_of(records: list[slo.RequestRecord], count: int) -> list[list[slo.Re
     return [measured[i * size:(i + 1) * size] for i in range(count) if measured[i * size:(i + 1) * size]]
 
 
+def level_of(records: list[slo.RequestRecord], users: int | None, rate: float | None, target: slo.SLO, *,
+             windows: int, started_at: float | None = None, wall_s: float | None = None,
+             metrics: dict | None = None) -> dict:
+    """One level of load as a served trial keeps it: every request, each window's figures and the
+    whole level's (workers/slo.py), and the server's /metrics (measured and simulated alike)."""
+    return {"users": users, "rate": rate, "started_at": started_at, "wall_s": wall_s,
+            "records": [r.to_dict() for r in records],
+            "windows": [asdict(slo.figures(part, target)) for part in windows_of(records, windows)],
+            "figures": asdict(slo.figures(records, target)), "metrics": metrics or {}}
+
+
+def window_samples(windows: list[dict]) -> list[Sample]:
+    """A fixed-load trial's samples: per window, its good requests and its generated tokens over
+    its seconds (the served kinds' rates: goodput and aggregate throughput)."""
+    samples = []
+    for rep, figures in enumerate(windows):
+        window = figures["window_s"]
+        samples.append(Sample(GOOD, rep, round(figures["goodput"] * window), window))
+        samples.append(Sample(THRU, rep, round(figures["throughput_tps"] * window), window))
+    return samples
+
+
 def level(server: Server, served: ServedWorkload, n_prompt: int, n_gen: int, users: int | None, vocab: int,
           target: slo.SLO, *, windows: int, seed: int) -> dict:
-    """One continuous load at ``users`` (or the Poisson rate), its windows' figures and /metrics."""
+    """One continuous load at ``users`` (or the Poisson rate) on the server."""
     from workers.loadgen import run_load, scrape_metrics
 
     result = run_load(server.base_url, load_spec(served, n_prompt, n_gen, users, vocab, windows=windows,
                                                  seed=seed), model="model")
-    parts = windows_of(result.records, windows)
-    return {"users": users, "rate": None if users is not None else served.rate,
-            "started_at": result.started_at, "wall_s": result.wall_s,
-            "records": [r.to_dict() for r in result.records],
-            "windows": [asdict(slo.figures(part, target)) for part in parts],
-            "figures": asdict(slo.figures(result.records, target)),
-            "metrics": scrape_metrics(server.base_url)}
+    return level_of(result.records, users, None if users is not None else served.rate, target, windows=windows,
+                    started_at=result.started_at, wall_s=result.wall_s, metrics=scrape_metrics(server.base_url))
 
 
 def capacity_levels(measure: Callable[[int], bool], max_users: int) -> tuple[int, list[int]]:
-    """Rule 3 as a pure search: the most users ``measure`` says meet the SLO, and the levels tried."""
-    tried: list[int] = []
-    good, bad = 0, None
-    users = 1
-    while len(tried) < MAX_LEVELS and users <= max_users:
-        tried.append(users)
-        if measure(users):
-            good = users
-            if users == max_users:
-                break
-            users = min(users * 2, max_users)
-        else:
-            bad = users
-            break
-    while bad is not None and bad - good > 1 and len(tried) < MAX_LEVELS:
-        users = (good + bad) // 2
-        tried.append(users)
-        if measure(users):
-            good = users
-        else:
-            bad = users
+    """Rule 3: slo.most_users within ``MAX_LEVELS`` levels: the users found and the levels tried."""
+    good, _, tried = slo.most_users(measure, max_users, MAX_LEVELS)
     return good, tried
 
 
@@ -318,15 +318,13 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None, 
             capacity, _ = capacity_levels(meets, served.max_users)
             samples.append(Sample(CAP, 0, capacity, 1.0))
         else:
-            out = run_level(server, None if served.rate else served.users, served.windows)
-            for rep, figures in enumerate(out["windows"]):
-                window = figures["window_s"]
-                good = round(figures["goodput"] * window)
-                samples.append(Sample(GOOD, rep, good, window))
-                samples.append(Sample(THRU, rep, round(figures["throughput_tps"] * window), window))
+            samples = window_samples(run_level(server, None if served.rate else served.users, served.windows)["windows"])
         failed = sum(lv["figures"]["failed"] for lv in levels)
+        from workers.bench import gpu_buffer_bytes
+
         return TrialResult(
             trial_key=spec.trial_key, ok=True, samples=samples, load_s=load_s, started_at=started,
+            gpu_bytes=gpu_buffer_bytes(server.log),
             finished_at=time.time(), measure_s=time.time() - started, backend_info=json.dumps(build),
             effective=effective, served={"levels": levels, "build": build, "argv": server.argv[3:],
                                          "failed_requests": failed, "slo": str(target)})

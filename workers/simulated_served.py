@@ -49,7 +49,7 @@ from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint
 from workers.models import ModelInfo
 from workers.simulated_batched import StepModel, step_model
-from workers.slo import SLO, LoadFigures, RequestRecord, figures
+from workers.slo import SLO, LoadFigures, RequestRecord, figures, most_users
 from workers.trial import BenchParams
 
 NOISE_CV = 0.03  # rule 4: the simulated node's noise (SimulatedNode.noise_cv)
@@ -59,6 +59,7 @@ CTX_STEP = 256  # rule 7
 MIN_MEASURED = 32  # requests judged per level at the least (rule 2: each user sends enough of them)
 MEASURED_PER_USER = 2  # requests each user sends after its warm-up, at the least
 SERVER_BATCH, SERVER_UBATCH = 2048, 512  # llama-server's -b and -ub defaults
+AUTO_SLOTS = 4  # llama-server's -np auto (tools/server/server.cpp)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,14 @@ class ServerConfig:
     def to_dict(self) -> dict:
         return {"slots": self.slots, "ctx_per_slot": self.ctx_per_slot, "params": self.params.to_dict()}
 
+    @classmethod
+    def of(cls, params: BenchParams, shape: ModelInfo) -> ServerConfig:
+        """A node config's llama-server knobs as this model sees them: its slots (llama-server's
+        auto: 4) and its context (the model's training context by default) split among them."""
+        slots = params.n_parallel or AUTO_SLOTS
+        n_ctx = params.n_ctx or shape.context_length or 4096
+        return cls(slots, max(n_ctx // slots, 1), params)
+
 
 @dataclass(frozen=True)
 class ServedLoad:
@@ -89,10 +98,11 @@ class ServedLoad:
     prompt_tokens: int
     gen_tokens: int
     warmup: int = 1  # requests per user never judged
+    requests: int = MIN_MEASURED  # measured requests, at the least
 
     @property
     def measured_per_user(self) -> int:
-        return max(MEASURED_PER_USER, math.ceil(MIN_MEASURED / self.users))
+        return max(MEASURED_PER_USER, math.ceil(self.requests / self.users))
 
     def check(self) -> None:
         if self.users < 1 or self.prompt_tokens < 1 or self.gen_tokens < 1:
@@ -273,23 +283,8 @@ def _rounded(value: float | None, digits: int) -> float | None:
 
 
 def _search_users(meets: Callable[[int], bool], max_users: int) -> tuple[int, int | None]:
-    """Rule 6: the most users for which ``meets`` holds (0 if not even 1), and the first level
-    found not to hold (None if every level up to ``max_users`` held)."""
-    if not meets(1):
-        return 0, 1
-    good, bad = 1, None
-    while bad is None and good < max_users:
-        level = min(good * 2, max_users)
-        if meets(level):
-            good = level
-        else:
-            bad = level
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        if meets(mid):
-            good = mid
-        else:
-            bad = mid
+    """Rule 6: slo.py's one search over users (doubling, then bisection)."""
+    good, bad, _ = most_users(meets, max_users)
     return good, bad
 
 

@@ -24,13 +24,15 @@ Rules (numbered as the code cites them):
 3. A request is *good* when it succeeded and its own figures meet every limit (vLLM's goodput);
    goodput is good requests per second of the measured window.
 4. Warm-up requests are never judged (they are dropped before any figure is taken).
+5. Capacity: the most concurrent users that meet the SLO, searched by doubling then bisection
+   (``most_users``), for measured and simulated servers alike.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from workers.errors import BadInput
@@ -254,3 +256,37 @@ def figures(records: Sequence[RequestRecord], slo: SLO) -> LoadFigures:
         requests=len(measured), failed=len(measured) - len(ok), window_s=window,
         throughput_tps=rate(sum(r.gen_tokens for r in ok)), request_rate=rate(len(ok)),
         goodput=rate(sum(slo.good(r) for r in ok)), meets_slo=not why, percentiles=pcts, why=why)
+
+
+def most_users(meets: Callable[[int], bool], max_users: int,
+               max_levels: int | None = None) -> tuple[int, int | None, list[int]]:
+    """Capacity at an SLO as a search over users (rule 5): doubling from 1 while ``meets`` holds,
+    then halving the gap between the last level that held and the first that did not; never above
+    ``max_users``, at most ``max_levels`` levels. Returns the most users found to hold (0: not even
+    one), the first level found not to (None: every level up to the ceiling held), the levels tried."""
+    tried: list[int] = []
+
+    def room() -> bool:
+        return max_levels is None or len(tried) < max_levels
+
+    def judge(users: int) -> bool:
+        tried.append(users)
+        return meets(users)
+
+    if not judge(1):
+        return 0, 1, tried
+    good, bad = 1, None
+    while bad is None and good < max_users and room():
+        level = min(good * 2, max_users)
+        if judge(level):
+            good = level
+        else:
+            bad = level
+    while bad is not None and bad - good > 1 and room():
+        middle = (good + bad) // 2
+        if judge(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, bad, tried
+
