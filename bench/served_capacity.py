@@ -53,7 +53,7 @@ def one(model: str, sha256: str, params: BenchParams | None, workload: Workload,
                       "ttft_p90": lv["figures"]["percentiles"]["ttft_p90"],
                       "tps_p10": lv["figures"]["percentiles"]["tps_p10"],
                       "tps_p50": lv["figures"]["percentiles"]["tps_p50"],
-                      "kv_usage": lv["metrics"].get("llamacpp:kv_cache_usage_ratio"),
+                      "busy_slots_per_decode": lv["metrics"].get("llamacpp:n_busy_slots_per_decode"),
                       "deferred": lv["metrics"].get("llamacpp:requests_deferred")}
                      for lv in (result.served or {}).get("levels", [])]
     return out

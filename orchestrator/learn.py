@@ -57,7 +57,7 @@ class RecommendationDraft:
         Every value here is a rate (e2e as tokens per second), so higher is better."""
         paired = self.claims.get("vs", {}).get(name)
         if paired is not None:
-            return paired["ratio"] - 1 if math.isfinite(paired["ratio"]) else None
+            return paired["ratio"] - 1 if paired["ratio"] is not None and math.isfinite(paired["ratio"]) else None
         base = self.baselines.get(name)
         return self.expected_tps / base - 1 if base else None
 
@@ -109,7 +109,7 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
             continue
         arms.setdefault(r.confirm_arm, r.params)
         rounds.setdefault(r.confirm_round, {})[r.confirm_arm] = trial_rate(r.samples, target, n_prompt, n_gen)
-    if LLAMA_CPP not in arms or not any(values.get(LLAMA_CPP) for values in rounds.values()):
+    if LLAMA_CPP not in arms or not any(values.get(LLAMA_CPP) is not None for values in rounds.values()):
         return None  # llama.cpp's defaults never ran here: nothing to claim against
     order = sorted(rounds)
 
@@ -117,12 +117,12 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
         return ratio_interval([rounds[i].get(a) for i in order], [rounds[i].get(b) for i in order])
 
     def as_dict(ri) -> dict:
-        return {"ratio": ri.ratio, "low": ri.low, "high": ri.high, "rounds": ri.rounds,
+        return {"ratio": _number(ri.ratio), "low": _number(ri.low), "high": _number(ri.high), "rounds": ri.rounds,
                 "verdict": ri.verdict.value, "text": ri.describe()}
 
     candidates = sorted((a for a in arms if a.startswith(CANDIDATE)), key=lambda a: int(a.split()[-1]))
     ranked = sorted(((interval(a, LLAMA_CPP), a) for a in candidates),
-                    key=lambda item: item[0].ratio if math.isfinite(item[0].ratio) else -math.inf, reverse=True)
+                    key=lambda item: -math.inf if math.isnan(item[0].ratio) else item[0].ratio, reverse=True)
     best = ranked[0] if ranked else None
     winner = best[1] if best and best[0].verdict is Verdict.FASTER else LLAMA_CPP
     for other in OTHER_BASELINES:
@@ -146,6 +146,12 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
     else:
         claims["outcome"] = "no measurable difference from llama.cpp's defaults"
     return claims
+
+
+def _number(value: float) -> float | None:
+    """A ratio as stored (JSON, PostgreSQL): None for an infinite one (a baseline that scored 0,
+    pairedstats rule 2) or none at all; the claim's text and verdict say which."""
+    return value if math.isfinite(value) else None
 
 
 def trial_rate(samples, target: str | Objective, n_prompt: int, n_gen: int) -> float | None:
@@ -223,7 +229,8 @@ def recommend(
             values[name] = measured["value"]
     baseline_tps = values.get(LLAMA_CPP_PYTHON)
     if claims is not None and LLAMA_CPP_PYTHON in claims["vs"]:
-        baseline_gain = claims["vs"][LLAMA_CPP_PYTHON]["ratio"] - 1
+        ratio = claims["vs"][LLAMA_CPP_PYTHON]["ratio"]
+        baseline_gain = ratio - 1 if ratio is not None else None
     else:
         baseline_gain = (best["value"] / baseline_tps - 1) if baseline_tps else None
     return RecommendationDraft(

@@ -92,8 +92,9 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
             baselines = rec.baselines or {}
             vs_llama_cpp = _gain(rec.expected_tps, baselines.get(learn.LLAMA_CPP))
             paired = (rec.claims or {}).get("vs", {})
-            if learn.LLAMA_CPP in paired:  # the paired rounds' ratio (issue 20.3)
-                vs_llama_cpp = paired[learn.LLAMA_CPP]["ratio"] - 1
+            if learn.LLAMA_CPP in paired:  # the paired rounds' ratio (issue 20.3; None: unbounded)
+                ratio = paired[learn.LLAMA_CPP]["ratio"]
+                vs_llama_cpp = ratio - 1 if ratio is not None else None
             elif rec.claims:  # the recommendation is llama.cpp's defaults
                 vs_llama_cpp = 0.0
             rows.append({

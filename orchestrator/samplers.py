@@ -64,12 +64,12 @@ class SeedScanSampler(BaseSampler):
         batch = 512 if 512 in space.batch_choices else max(space.batch_choices)
         self.batch = batch
         self.thread_scan = [
-            {NGL: 0, THREADS: t, BATCH: batch, UBATCH: batch}
+            {NGL: space.ngl_min, THREADS: t, BATCH: batch, UBATCH: batch}
             for t in range(1, space.threads_max + 1)
         ]
         if space.ngl_max > 0:
             step = max(1, -(-(space.ngl_max + 1) // max_ngl_steps))
-            self.ngl_values = sorted({*range(0, space.ngl_max + 1, step), space.ngl_max})
+            self.ngl_values = sorted({*range(space.ngl_min, space.ngl_max + 1, step), space.ngl_max})
         else:
             self.ngl_values = [0]
         self._plans: dict[int, dict] = {}

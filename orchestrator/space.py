@@ -54,6 +54,7 @@ SWITCHES = ("no_kv_offload",)  # knobs searched over all their choices where the
 SERVER_SWITCHES = ("kv_unified", "cache_idle_slots")  # a served study's llama-server switches
 CTX_PER_SLOT = "ctx_per_slot"  # the Optuna parameter of a served study's context per slot (-c = slots x it)
 SERVER_DEFAULT_SLOTS = 4  # llama-server's -np auto (tools/server/server.cpp)
+FITS_WHOLE = 0.5  # a served study keeps every layer on a GPU whose working set holds twice the weights
 # what llama-server does with these switches unset once -np is given (common/common.h: kv_unified
 # false, cache_idle_slots true; -np auto alone turns kv_unified on)
 SERVER_SWITCH_DEFAULTS = {"kv_unified": False, "cache_idle_slots": True}
@@ -130,6 +131,7 @@ class SearchSpace:
     switches: tuple[str, ...] = ()  # further knobs searched over all their choices in every trial
     gpu_budget_bytes: int = 0  # issue 23.1: configurations estimated over it are refused; 0: no budget
     # a served study (issue 22.3): llama-server's own knobs; () / 0: left at llama-server's defaults
+    ngl_min: int = 0  # GPU layers searched ngl_min..ngl_max (a served study on a GPU that holds the model: all)
     parallel_max: int = 0  # slots searched 1..this (log scale)
     ctx_per_slot: tuple[int, ...] = ()  # context per slot searched (-c is slots x this)
     server_switches: tuple[str, ...] = ()  # llama-server's switches searched over both values
@@ -184,7 +186,12 @@ class SearchSpace:
         need = next_power_of_two(n_prompt + served.prompt_spread + n_gen)
         limit = model.context_length or need * 4
         per_slot = tuple(c for c in (need, need * 2, need * 4) if c <= max(limit, need))
-        return replace(base, parallel_max=max(min(users, _K["n_parallel"].high), 1), ctx_per_slot=per_slot,
+        # where the GPU holds the whole model, every layer stays on it: a served layer on the CPU
+        # paces every slot's step (and on such a GPU full offload is as fast as it gets, issue 20)
+        working_set = gpu_budget or gpu_working_set(fp)
+        whole = bool(base.ngl_max and working_set and model.size_bytes < FITS_WHOLE * working_set)
+        return replace(base, ngl_min=base.ngl_max if whole else 0,
+                       parallel_max=max(min(users, _K["n_parallel"].high), 1), ctx_per_slot=per_slot,
                        server_switches=SERVER_SWITCHES, cache_ram_choices=(None, 0))
 
     def over_budget(self, params: BenchParams, model: ModelInfo, n_ctx: int) -> str | None:
@@ -224,7 +231,7 @@ class SearchSpace:
     def suggest(self, trial) -> BenchParams:
         """Ask an Optuna trial for one configuration in this space (names and distributions: the
         knob table's; this space says only when each knob is searched and within what)."""
-        ngl = _K["n_gpu_layers"].suggest(trial, 0, self.ngl_max) if self.ngl_max > 0 else 0
+        ngl = _K["n_gpu_layers"].suggest(trial, self.ngl_min, self.ngl_max) if self.ngl_max > 0 else 0
         threads = _K["n_threads"].suggest(trial, 1, self.threads_max, log=self.threads_log)
         if self.tune_batch:
             batch = _K["n_batch"].suggest(trial, choices=self.batch_choices)
@@ -329,7 +336,7 @@ class SearchSpace:
         if self.threads_batch and params.n_threads_batch:
             tb = min(max(params.n_threads_batch, 1), self.threads_max)
             tb = None if tb == threads else tb
-        ngl = min(max(params.n_gpu_layers, 0), self.ngl_max)
+        ngl = min(max(params.n_gpu_layers, self.ngl_min), self.ngl_max)
         return replace(
             params,
             n_gpu_layers=ngl,
@@ -381,7 +388,7 @@ class SearchSpace:
                               if 512 in self.batch_choices or max(self.batch_choices) < 512
                               else [self.batch_choices[0]])
         if self.ngl_max > 0:
-            grid[_N["n_gpu_layers"]] = spread(0, self.ngl_max)
+            grid[_N["n_gpu_layers"]] = spread(self.ngl_min, self.ngl_max)
         if self.flash_attn:
             grid["flash_attn"] = [False, True]
         if self.fa_modes:
@@ -410,7 +417,7 @@ class SearchSpace:
     def size(self) -> int:
         """How many distinct configurations the space holds."""
         batches = len(self.batch_choices) ** 2 if self.tune_batch else 1
-        n = (self.ngl_max + 1) * self.threads_max * batches
+        n = (self.ngl_max - self.ngl_min + 1) * self.threads_max * batches
         if self.flash_attn:
             n *= 2
         if self.fa_modes:

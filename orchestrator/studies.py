@@ -22,6 +22,7 @@ The head owns the database; workers get a ``TrialSpec`` and return a ``TrialResu
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -532,7 +533,7 @@ class ConfirmRounds(_Counted):
         if not candidates:
             pairs = [(learn.NOISE_ARM, learn.LLAMA_CPP)] if learn.NOISE_ARM in names else []
         else:
-            best = max(candidates, key=lambda a: _finite_or(interval(a, learn.LLAMA_CPP).ratio))
+            best = max(candidates, key=lambda a: _ranked(interval(a, learn.LLAMA_CPP).ratio))
             pairs = [(best, b) for b in baselines]
         return all(interval(a, b).half_width <= CONFIRM_HALF_WIDTH for a, b in pairs)
 
@@ -603,10 +604,9 @@ def _medians(result: TrialResult, target: Objective) -> dict[str, float | None]:
     return {kind: stats.median if (stats := result.stats(kind)) else None for kind in target.kinds}
 
 
-def _finite_or(value: float, default: float = -float("inf")) -> float:
-    import math
-
-    return value if math.isfinite(value) else default
+def _ranked(ratio: float) -> float:
+    """A ratio as a sort key: an infinite one (the baseline scored 0) first, none at all (nan) last."""
+    return -float("inf") if math.isnan(ratio) else ratio
 
 
 # ---------------------------------------------------------------- the runner

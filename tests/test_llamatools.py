@@ -89,6 +89,10 @@ def test_the_identity_of_a_build_and_of_another_binary(clean_env):
                         "#!/bin/sh\necho 'version: 6100 (4df29be4f)' >&2\necho 'built with clang' >&2\n")
     found = llamatools.identity(str(brewed))
     assert found["version"] == "6100" and found["commit"] == "4df29be4f"
+    newer = executable(clean_env / "brew2" / "bin" / "llama-server",  # llama.cpp's --version since 2026
+                       "#!/bin/sh\necho 'version: 0.5.0-dev (build 1, commit 0c1e57098)' >&2\n")
+    found = llamatools.identity(str(newer))
+    assert found["version"] == "0.5.0-dev" and found["commit"] == "0c1e57098"
 
 
 def test_the_build_is_configured_offline_without_the_web_ui(monkeypatch):

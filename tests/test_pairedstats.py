@@ -55,3 +55,17 @@ def test_unusable_rounds_are_left_out_and_one_round_has_no_interval():
     assert ratio_interval([], []).rounds == 0
     with pytest.raises(ValueError):
         ratio_interval([1.0], [1.0, 2.0])
+
+
+def test_a_baseline_that_scored_zero_in_every_round_is_beaten_for_certain():
+    """Rule 2: a served figure can be 0 (no request met the SLO); a log ratio cannot hold it."""
+    from orchestrator.pairedstats import Verdict, ratio_interval
+
+    beaten = ratio_interval([3.1, 3.4, 3.2], [0.0, 0.0, 0.0])
+    assert beaten.verdict is Verdict.FASTER and beaten.ratio == float("inf") and beaten.half_width == 0.0
+    assert "scored 0" in beaten.describe()
+    assert ratio_interval([0.0, 0.0], [1.0, 2.0]).verdict is Verdict.SLOWER
+    assert ratio_interval([0.0, 0.0], [0.0, 0.0]).verdict is Verdict.NO_DIFFERENCE
+    mixed = ratio_interval([1.0, 2.0, 3.0], [0.0, 1.9, 3.1])  # zeros in one round only: left out
+    assert mixed.rounds == 2 and not mixed.zeros
+    assert ratio_interval([1.0, 2.0], [0.0, 2.0]).verdict is Verdict.UNKNOWN  # one usable round

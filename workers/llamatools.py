@@ -122,7 +122,10 @@ def identity(binary: str) -> dict:
         text = done.stdout + done.stderr
     except (OSError, subprocess.TimeoutExpired):
         text = ""
-    found = re.search(r"version:\s*(\d+)\s*\(([0-9a-f]+|unknown)\)", text)
+    # "version: 6100 (0c1e5709)" (llama.cpp's tools until 2026), "version: 0.5.0-dev (build 1, commit
+    # 0c1e57098)" (since), the commit "unknown" where the build had none
+    found = (re.search(r"version:\s*(\S+)\s*\((?:build\s*\d+,\s*)?commit\s+([0-9a-f]+|unknown)\)", text)
+             or re.search(r"version:\s*(\d+)\s*\(([0-9a-f]+|unknown)\)", text))
     return {"version": found.group(1) if found else None,
             "commit": found.group(2) if found and found.group(2) != "unknown" else None,
             "backend": None, "source": str(path)}
