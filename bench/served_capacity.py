@@ -118,7 +118,7 @@ def plot(rounds: list[dict], path: str, slo: str) -> None:
                         textcoords="offset points", xytext=(3, 3))
     ax.set_xlabel("aggregate generation tok/s (all users)")
     ax.set_ylabel("per-user tok/s, 10th percentile")
-    ax.set_title(f"served: per-user against aggregate (labels: users; SLO {slo})")
+    ax.set_title(f"served: per-user against aggregate tok/s (labels: users; SLO {slo})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
