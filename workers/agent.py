@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from workers import bench, served
+from workers import bench, served, simulated_served
 from workers.files import fsync_dir
 from workers.hardware import fingerprint_live
 from workers.labels import (
@@ -99,8 +99,8 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     sim = simulated_node(node_id, labels)
     if spec.cooldown_s > 0 and not sim:
         time.sleep(spec.cooldown_s)  # let the machine cool between trials; not synchronisation
-    if sim:
-        result = sim.measure(spec)
+    if sim:  # a served trial on a simulated Mac: its continuous batching (issue 22.6)
+        result = simulated_served.measure(sim, spec) if spec.served else sim.measure(spec)
     else:
         # This worker's parent is its node's raylet. A busy worker can outlive a SIGKILLed raylet
         # (Ray 2.60 on Linux: still measuring 50 s later), measuring for a node the cluster has

@@ -486,6 +486,24 @@ PARENT_GONE_EXIT = 75
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: on Linux the child gets SIGKILL when its parent dies (PR_SET_PDEATHSIG,
+    kept across exec), and exits at once if the parent died before this ran. Elsewhere it does
+    nothing: the lifeline pipe covers it (rule 2 of issue 24)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(PARENT_GONE_EXIT)
+
+    return preexec
+
+
 def _watch_parent(pipe_fd: int) -> None:
     """Exit at once when the process that started this measurement dies, however it dies.
 

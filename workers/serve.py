@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers import knobs, llamatools, nodeconfig
-from workers.bench import PARENT_GONE_EXIT, PR_SET_PDEATHSIG
+from workers.bench import die_with_parent
 from workers.errors import BadInput
 from workers.files import atomic_write
 from workers.nodeconfig import BadConfigFile, NodeConfig
@@ -144,7 +144,7 @@ class LlamaServer(ServerKind):
                   *params.llama_cpp_flags("llama-server").split(), "-c", str(N_CTX),
                   "-np", "1", "--no-webui", "--host", host, "--port", str(port)]
         if parent_fd is None or sys.platform.startswith("linux"):
-            return server  # on Linux the parent-death signal is set before exec (_die_with_parent)
+            return server  # on Linux the parent-death signal is set before exec (die_with_parent)
         # elsewhere llama-server cannot watch a pipe: a small keeper does, and stops it (rule 2)
         return [sys.executable, "-m", "workers.serve", "--keep", "--parent-pipe", str(parent_fd), "--", *server]
 
@@ -258,7 +258,7 @@ class Supervisor:
         with open(self.log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     pass_fds=(*fds, self._lifeline_r), start_new_session=True,
-                                    preexec_fn=_die_with_parent(os.getpid()))
+                                    preexec_fn=die_with_parent(os.getpid()))
         os.close(ready_w)
         if not self.kind.takes_socket:  # no ready pipe: readiness is its health check, then a warm-up
             os.close(ready_r)
@@ -441,24 +441,6 @@ def _last_line(log_path: Path, limit: int = 200) -> str:
     except OSError:
         return ""
     return f"; last logged: {lines[-1][:limit]}" if lines else ""
-
-
-def _die_with_parent(parent_pid: int):
-    """A ``preexec_fn``: on Linux the child gets SIGKILL when its supervisor dies (PR_SET_PDEATHSIG,
-    kept across exec), and exits at once if the supervisor died before this ran. Elsewhere it does
-    nothing: the lifeline pipe covers it (rule 2 of issue 24)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(PARENT_GONE_EXIT)
-
-    return preexec
 
 
 def _use_token() -> None:
@@ -648,7 +630,7 @@ def keep_main(argv: list[str]) -> int:
     pipe itself) and stop it when the supervisor's lifeline closes; SIGTERM is passed on, and the
     command's exit is this process's (rule 2 of issue 24, where there is no parent-death signal)."""
     pipe_fd, command = int(argv[argv.index("--parent-pipe") + 1]), argv[argv.index("--") + 1:]
-    proc = subprocess.Popen(command, preexec_fn=_die_with_parent(os.getpid()))
+    proc = subprocess.Popen(command, preexec_fn=die_with_parent(os.getpid()))
     signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
 
     import threading

@@ -89,10 +89,10 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="fleettune-served-", suffix=".log", dir=log_dir,  # noqa: SIM115 (closed by stop)
                                                 delete=False)
-        from workers.serve import _die_with_parent
+        from workers.bench import die_with_parent
 
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
 
     @property
     def log(self) -> str:

@@ -51,7 +51,6 @@ import csv
 import math
 import random
 import re
-import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
@@ -71,7 +70,7 @@ from workers.models import (
     named_model,
     read_model_info,
 )
-from workers.objective import CAP, TG, Objective
+from workers.objective import TG, Objective
 from workers.objective import objective as named_objective
 from workers.placement import KV_BYTES, WORKING_SET_FRACTION
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
@@ -615,8 +614,9 @@ class SimulatedNode:
         except BadInput as exc:
             return TrialResult.failure(spec.trial_key, str(exc), FailureKind.BAD_CONFIG, simulated=True)
         w: Workload = spec.workload
-        if spec.served is not None:
-            return self._measure_served(spec, shape, started)
+        if spec.served is not None:  # workers/simulated_served.measure serves it (agent.run_trial)
+            return TrialResult.failure(spec.trial_key, "a served trial on a simulated Mac is measured by "
+                                       "workers.simulated_served.measure", FailureKind.WORKER_ERROR, simulated=True)
         pred = predict(self.chip, shape, spec.params, w.n_prompt, w.n_gen, self.scenario,
                        depth=getattr(w, "depth", 0))
         if not pred.fits:
@@ -647,54 +647,6 @@ class SimulatedNode:
             backend_info=self.backend_info(), effective=effective_params(spec.params, shape, w),
             kl_divergence=simulated_kl(spec.params) if spec.measure_kl else None,
         )
-
-
-    def _measure_served(self, spec, shape: ModelInfo, started: float) -> TrialResult:
-        """A served trial on this simulated Mac (issue 22.6): workers/simulated_served.py's
-        continuous batching under the trial's closed-loop users, its records judged and sampled as a
-        measured served trial's are (workers/served.py's level_of and window_samples)."""
-        import time
-
-        from workers import served, simulated_served, slo
-
-        load, w = spec.served, spec.workload
-        target = slo.parse_slo(load.slo)
-        if load.rate is not None:
-            return TrialResult.failure(spec.trial_key, "a simulated Mac serves closed-loop users (--users), "
-                                       "not Poisson arrivals", FailureKind.BAD_CONFIG, simulated=True)
-        config = simulated_served.ServerConfig.of(spec.params, shape)
-        longest = simulated_served.ServedLoad(1, w.n_prompt + load.prompt_spread, w.n_gen)
-        why = simulated_served.refusal(self.chip, shape, config, longest)
-        if why:
-            kind = FailureKind.OUT_OF_MEMORY if why.startswith("out of memory") else FailureKind.BAD_CONFIG
-            return TrialResult.failure(spec.trial_key, why, kind, simulated=True, started_at=started,
-                                       finished_at=time.time())
-        levels: list[dict] = []
-
-        def run(users: int, windows: int) -> dict:
-            records = simulated_served.simulate_load(
-                self.chip, shape, config,
-                simulated_served.ServedLoad(users, w.n_prompt, w.n_gen, requests=load.requests * windows),
-                seed=zlib.crc32(f"{self.seed}:{spec.trial_key}:{len(levels)}".encode()))
-            levels.append(served.level_of(records, users, None, target, windows=windows))
-            return levels[-1]
-
-        if load.capacity:
-            users, _ = served.capacity_levels(lambda n: run(n, 1)["figures"]["meets_slo"], load.max_users)
-            samples = [Sample(CAP, 0, users, 1.0)]
-        else:
-            samples = served.window_samples(run(load.users, load.windows)["windows"])
-        sim_seconds = sum(max((r["start_s"] + (r["e2e_s"] or 0) for r in lv["records"]), default=0.0)
-                          for lv in levels)
-        if self.time_scale > 0:
-            time.sleep(sim_seconds * self.time_scale)  # the trial's duration, scaled; not synchronisation
-        effective = {**spec.params.to_dict(), "n_parallel": config.slots, "n_ctx": config.n_ctx}
-        return TrialResult(
-            trial_key=spec.trial_key, ok=True, samples=samples, started_at=started, finished_at=time.time(),
-            measure_s=sim_seconds, simulated=True, backend_info=self.backend_info(), effective=effective,
-            served={"levels": levels, "build": {"backend": "simulated", "commit": None},
-                    "argv": config.flags().split(), "slo": str(target),
-                    "failed_requests": sum(lv["figures"]["failed"] for lv in levels)})
 
 
 def simulated_kl(params: BenchParams) -> float | None:

@@ -48,9 +48,11 @@ from workers import placement
 from workers.errors import BadInput
 from workers.hardware import GIB, Fingerprint
 from workers.models import ModelInfo
+from workers.objective import CAP
+from workers.simulated import SimulatedNode, model_shape
 from workers.simulated_batched import StepModel, step_model
 from workers.slo import SLO, LoadFigures, RequestRecord, figures, most_users
-from workers.trial import BenchParams
+from workers.trial import BenchParams, FailureKind, Sample, TrialResult, TrialSpec
 
 NOISE_CV = 0.03  # rule 4: the simulated node's noise (SimulatedNode.noise_cv)
 MAX_USERS = 1024  # rule 6
@@ -352,3 +354,61 @@ def capacity_per_chip(chips: list[Fingerprint], shape: ModelInfo, slo: SLO, prom
             config = ServerConfig(slots, ctx, default_params(chip, shape))
         out.append(capacity(chip, shape, slo, prompt_tokens, gen_tokens, config, seed))
     return out
+
+
+# ---------------------------------------------------------------- the worker backend
+
+
+def measure(node: SimulatedNode, spec: TrialSpec) -> TrialResult:
+    """A served trial on a simulated Mac (issue 22.6): this module's continuous batching under the
+    trial's closed-loop users, its records judged and sampled as a measured served trial's are
+    (workers/served.py's level_of and window_samples); no file needed for a sim:// model."""
+    import time
+    import zlib
+
+    from workers import served, slo
+
+    started = time.time()
+    try:
+        shape = node.shape_for(spec.model_path) if node.shape_for else model_shape("llama2-7b", "q4_0")
+    except BadInput as exc:
+        return TrialResult.failure(spec.trial_key, str(exc), FailureKind.BAD_CONFIG, simulated=True)
+
+    load, w = spec.served, spec.workload
+    target = slo.parse_slo(load.slo)
+    if load.rate is not None:
+        return TrialResult.failure(spec.trial_key, "a simulated Mac serves closed-loop users (--users), "
+                                   "not Poisson arrivals", FailureKind.BAD_CONFIG, simulated=True)
+    config = ServerConfig.of(spec.params, shape)
+    longest = ServedLoad(1, w.n_prompt + load.prompt_spread, w.n_gen)
+    why = refusal(node.chip, shape, config, longest)
+    if why:
+        kind = FailureKind.OUT_OF_MEMORY if why.startswith("out of memory") else FailureKind.BAD_CONFIG
+        return TrialResult.failure(spec.trial_key, why, kind, simulated=True, started_at=started,
+                                   finished_at=time.time())
+    levels: list[dict] = []
+
+    def run(users: int, windows: int) -> dict:
+        records = simulate_load(
+            node.chip, shape, config,
+            ServedLoad(users, w.n_prompt, w.n_gen, requests=load.requests * windows),
+            seed=zlib.crc32(f"{node.seed}:{spec.trial_key}:{len(levels)}".encode()))
+        levels.append(served.level_of(records, users, None, target, windows=windows))
+        return levels[-1]
+
+    if load.capacity:
+        users, _ = served.capacity_levels(lambda n: run(n, 1)["figures"]["meets_slo"], load.max_users)
+        samples = [Sample(CAP, 0, users, 1.0)]
+    else:
+        samples = served.window_samples(run(load.users, load.windows)["windows"])
+    sim_seconds = sum(max((r["start_s"] + (r["e2e_s"] or 0) for r in lv["records"]), default=0.0)
+                      for lv in levels)
+    if node.time_scale > 0:
+        time.sleep(sim_seconds * node.time_scale)  # the trial's duration, scaled; not synchronisation
+    effective = {**spec.params.to_dict(), "n_parallel": config.slots, "n_ctx": config.n_ctx}
+    return TrialResult(
+        trial_key=spec.trial_key, ok=True, samples=samples, started_at=started, finished_at=time.time(),
+        measure_s=sim_seconds, simulated=True, backend_info=node.backend_info(), effective=effective,
+        served={"levels": levels, "build": {"backend": "simulated", "commit": None},
+                "argv": config.flags().split(), "slo": str(target),
+                "failed_requests": sum(lv["figures"]["failed"] for lv in levels)})
