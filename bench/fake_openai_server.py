@@ -14,7 +14,8 @@ actually written (``GET /stats``, in seconds of this process's ``perf_counter``)
 against which a client's TTFT and ITL are judged, with the server's own lateness taken out.
 
 Other endpoints: ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (llama-server's Prometheus
-names, with ``--metrics``), ``POST /stats/reset``.
+names; ``--no-metrics`` answers 501 as llama-server does without ``--metrics``), ``GET /count``
+(requests arrived and completed, cheap to poll), ``POST /stats/reset``.
 
 Faults, for tests: ``--fail-every K`` answers every K-th completion with HTTP 500;
 ``--no-finish`` ends every stream after its tokens with no finish reason and no ``[DONE]``;
@@ -58,6 +59,7 @@ class FakeConfig:
 class FakeState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     requests: int = 0
+    completed: int = 0  # completions whose last byte was written
     inflight: int = 0
     max_inflight: int = 0
     # one dict per completion: arrival, first and last token write (perf_counter), tokens, prompt tokens
@@ -67,7 +69,7 @@ class FakeState:
 
     def reset(self) -> None:
         with self.lock:
-            self.requests = self.max_inflight = 0
+            self.requests = self.max_inflight = self.completed = 0
             self.log = []
             self.prompt_tokens_total = self.tokens_predicted_total = 0
 
@@ -161,6 +163,10 @@ class Handler(BaseHTTPRequestHandler):
                     'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 0',
                 ]
             self._send_text(200, "\n".join(lines) + "\n")
+        elif self.path == "/count":
+            with state.lock:
+                data = {"requests": state.requests, "completed": state.completed, "inflight": state.inflight}
+            self._send_json(200, data)
         elif self.path == "/stats":
             with state.lock:
                 data = {"requests": state.requests, "inflight": state.inflight,
@@ -217,6 +223,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with state.lock:
                 state.inflight -= 1
+                state.completed += 1
                 state.prompt_tokens_total += n_prompt
                 state.tokens_predicted_total += entry["tokens"]
 
