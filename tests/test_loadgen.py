@@ -145,16 +145,20 @@ def test_warmup_requests_can_be_set(fake_server):
 
 def test_the_open_loop_sends_poisson_arrivals_at_its_rate(fake_server):
     fake = fake_server("--ttft", "0.003", "--itl", "0.001")
-    rate = 100.0
+    rate = 40.0  # gaps of 25 ms: a loaded 2-core machine's scheduling delays (a few ms) stay small beside them
     result = run_load(fake.url, LoadSpec(prompt_tokens=8, gen_tokens=2, concurrency=None, rate=rate,
-                                         max_requests=300, max_s=30))
-    assert len(result.records) == 302 and all(r.ok and r.users is None for r in result.records)
+                                         max_requests=200, max_s=30))
+    assert len(result.records) == 202 and all(r.ok and r.users is None for r in result.records)
     arrivals = sorted(e["arrived"] for e in fake.stats()["log"])
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     mean = statistics.fmean(gaps)
-    assert abs(mean - 1 / rate) < 0.15 / rate, mean  # 300 exponential gaps: the mean's sd is 5.8 %
-    cv = statistics.stdev(gaps) / mean
-    assert 0.75 < cv < 1.25, cv  # exponential gaps (a fixed interval would give 0)
+    assert abs(mean - 1 / rate) < 0.2 / rate, mean  # 201 exponential gaps: the mean's sd is 7 %
+    # the shape from the client's own send times (the server's arrivals also carry its scheduling
+    # jitter on a loaded machine): exponential gaps have a CV of 1, uniform ones 0.58, fixed ones 0
+    sends = sorted(r.start_s for r in result.records)
+    sent_gaps = [b - a for a, b in zip(sends, sends[1:], strict=False)]
+    cv = statistics.stdev(sent_gaps) / statistics.fmean(sent_gaps)
+    assert 0.75 < cv < 1.3, cv
 
 
 def test_the_time_bound_cuts_requests_in_flight(fake_server):
