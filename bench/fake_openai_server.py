@@ -196,8 +196,6 @@ class Handler(BaseHTTPRequestHandler):
         with state.lock:
             state.requests += 1
             number = state.requests
-        if cfg.announce:
-            print(f"request {number}", flush=True)
         if cfg.fail_every and number % cfg.fail_every == 0:
             self._send_json(500, {"error": {"code": 500, "message": "injected failure", "type": "server_error"}})
             return
@@ -210,6 +208,8 @@ class Handler(BaseHTTPRequestHandler):
             state.inflight += 1
             state.max_inflight = max(state.max_inflight, state.inflight)
             state.log.append(entry)
+        if cfg.announce:  # once it counts as in flight
+            print(f"request {number}", flush=True)
         try:
             if body.get("stream"):
                 self._stream(entry, n, n_prompt, chat, arrived)

@@ -35,24 +35,30 @@ class Fake:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, str(FAKE), "--port", "0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                     stderr=subprocess.STDOUT)
+        self.pending = b""  # read from the pipe, not yet split into lines (no buffered reader: select sees all)
         line = self.line_matching("listening on ", deadline_s=20)
         self.url = line.split("listening on ", 1)[1].strip()
 
     def line_matching(self, text: str, deadline_s: float) -> str:
         """The next stdout line containing ``text``, waiting at most ``deadline_s``."""
         end = time.monotonic() + deadline_s
+        fd = self.proc.stdout.fileno()
         while True:
+            while b"\n" in self.pending:
+                raw, self.pending = self.pending.split(b"\n", 1)
+                line = raw.decode()
+                if text in line:
+                    return line
             left = end - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"the fake server printed no line with {text!r} in {deadline_s} s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if ready:
-                line = self.proc.stdout.readline()
-                if not line:
+                data = os.read(fd, 65536)
+                if not data:
                     raise AssertionError(f"the fake server exited (rc {self.proc.poll()}) before printing {text!r}")
-                if text in line:
-                    return line
+                self.pending += data
 
     def stats(self) -> dict:
         with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
@@ -109,12 +115,16 @@ def test_ttft_and_itl_are_the_servers_known_timing(fake_server):
     assert all(r.gen_tokens == 16 for r in records)  # the server's own count (usage.completion_tokens)
     ttft = statistics.median(r.ttft_s for r in records)
     itl = statistics.median(r.itl_s for r in records)
-    assert abs(ttft - 0.08) < 0.005, ttft  # the first token, not the headers (sent at once)
-    assert abs(itl - 0.012) < 0.001, itl
-    # against what the server actually wrote, request by request: the client adds a few ms at most
-    log = {e["n"]: e for e in fake.stats()["log"]}
-    truth_ttft = statistics.median(e["first"] - e["arrived"] for e in log.values())
-    assert abs(ttft - truth_ttft) < 0.004, (ttft, truth_ttft)
+    # against what the server actually wrote (on a loaded machine it writes late): a few ms at most
+    log = fake.stats()["log"]
+    truth_ttft = statistics.median(e["first"] - e["arrived"] for e in log)
+    truth_itl = statistics.median((e["last"] - e["first"]) / (e["tokens"] - 1) for e in log)
+    assert abs(ttft - truth_ttft) < 0.005, (ttft, truth_ttft)
+    assert abs(itl - truth_itl) < 0.0005, (itl, truth_itl)
+    # and the figures are the ones asked for: the first token, not the headers (sent at once, 0 ms)
+    # nor the last (260 ms); the server's lateness is allowed for
+    assert abs(ttft - 0.08) < 0.015, ttft
+    assert abs(itl - 0.012) < 0.002, itl
 
 
 def test_tokens_are_counted_from_the_chunks_when_the_server_gives_no_usage(fake_server):
@@ -188,15 +198,18 @@ def test_a_server_killed_mid_load_gives_error_records_and_run_load_returns(fake_
     loader = threading.Thread(target=lambda: out.update(result=run_load(fake.url, spec)), daemon=True)
     loader.start()
     fake.line_matching("request 2", deadline_s=20)  # both users' first requests are in flight (4 s each)
+    assert fake.stats()["inflight"] == 2
     os.kill(fake.proc.pid, signal.SIGKILL)
     fake.proc.wait(10)
     loader.join(30)
     assert not loader.is_alive(), "run_load did not return after its server died"
     records = out["result"].records
     assert len(records) == 8 and not any(r.ok for r in records)
-    assert sum(r.error == "connection refused" for r in records) == 6  # every request after the kill
-    cut = [r for r in records if r.error != "connection refused"]
-    assert len(cut) == 2 and all(r.gen_tokens < 200 for r in cut), [r.error for r in cut]
+    in_flight, after = records[:2], records[2:]  # (in the order sent)
+    assert all(r.error and r.gen_tokens < 200 for r in in_flight), [r.error for r in in_flight]
+    assert all(r.error and r.gen_tokens == 0 for r in after), [r.error for r in after]
+    # once the process is gone nothing listens; a connect in the moment it dies may be reset instead
+    assert sum(r.error == "connection refused" for r in after) >= 3, [r.error for r in after]
 
 
 def test_http_errors_and_unfinished_streams_are_records(fake_server):
