@@ -164,7 +164,7 @@ class _Target:
 
 
 class _Prompts:
-    """Rule 1: the i-th request's body, drawn from one seeded generator in request order."""
+    """Rule 1: each request's body, drawn from one seeded generator (one seed, one set of prompts)."""
 
     def __init__(self, spec: LoadSpec, model: str) -> None:
         self.spec, self.model = spec, model
@@ -228,12 +228,6 @@ class _Sender:
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.conn: http.client.HTTPConnection | None = None
-        self.reused = False
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
 
     def _register(self, sock: socket.socket | None, add: bool) -> None:
         if sock is None:
@@ -262,7 +256,7 @@ class _Sender:
         path = run.target.prefix + "/v1/completions"
         for attempt in (0, 1):
             if self.conn is not None and self.conn.sock is None:
-                self._drop()
+                self.close()
             fresh = self.conn is None
             try:
                 if fresh:
@@ -274,21 +268,22 @@ class _Sender:
                 self.conn.request("POST", path, body, headers)
                 response = self.conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                self._drop()
+                self.close()
                 if not fresh and attempt == 0 and not run.stop.is_set():
                     continue  # rule 6: a keep-alive connection the server had closed
                 return None, None, 0, self._why(exc)
             except (OSError, http.client.HTTPException) as exc:
-                self._drop()
+                self.close()
                 return None, None, 0, self._why(exc)
             break
         try:
             return self._read(response, limit)
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            self._drop()
+            self.close()
             return None, None, 0, self._why(exc)
 
-    def _drop(self) -> None:
+    def close(self) -> None:
+        """Close the connection (the next request opens a new one)."""
         if self.conn is not None:
             self._register(self.conn.sock, False)
             self.conn.close()
@@ -310,7 +305,7 @@ class _Sender:
         if response.status != 200:
             text = response.read().decode(errors="replace")
             if response.will_close:
-                self._drop()
+                self.close()
             return None, None, 0, f"HTTP {response.status}: {_error_text(text)}"[:200]
         sock = self.conn.sock
         first = last = None
@@ -342,7 +337,7 @@ class _Sender:
                 if not isinstance(event, dict):
                     continue
                 if "error" in event:
-                    self._drop()
+                    self.close()
                     return first, last, chunks, f"server error: {_error_text(json.dumps(event))}"[:200]
                 choices = event.get("choices") or []
                 choice = choices[0] if choices and isinstance(choices[0], dict) else {}
@@ -367,9 +362,9 @@ class _Sender:
                 sock.settimeout(max(min(limit - time.perf_counter(), 1.0), 1e-3))
                 response.read()
             except (OSError, http.client.HTTPException):
-                self._drop()
+                self.close()
         if self.conn is not None and (response.will_close or not response.isclosed()):
-            self._drop()
+            self.close()
         if finish is None:
             return first, last, chunks, f"stream ended without a finish reason after {chunks} chunk(s)"
         if first is None:
@@ -395,7 +390,7 @@ def _closed_user(run: _Run, users: int) -> None:
         while (index := run.take()) is not None:
             sender.one(index, users)
     finally:
-        sender._drop()
+        sender.close()
 
 
 class _OpenLoop:
@@ -416,7 +411,7 @@ class _OpenLoop:
                 with self.lock:
                     self.idle += 1
         finally:
-            sender._drop()
+            sender.close()
 
     def _spawn(self, idle: bool) -> None:
         thread = threading.Thread(target=self._worker, daemon=True, name=f"loadgen-sender-{len(self.threads)}")
