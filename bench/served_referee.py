@@ -11,7 +11,7 @@ rounds, the referee first in odd ones, so a drift in the machine's speed is shar
 draws new prompts (a new seed for both tools), so no round hits the prompt cache of the one
 before. It prints TTFT and ITL p50/p90 of each tool per round, then the median over rounds of each
 figure, its range, the ratio loadgen / referee, and whether every ratio is within 5 %. llama-server
-is always stopped at the end (terminated, then killed).
+is always stopped at the end (terminated, then killed), on an error or a SIGTERM/SIGINT/SIGHUP too.
 
 Both tools define the figures as AIPerf does: TTFT from sending to the first generated text, ITL
 per request ``(e2e - ttft) / (tokens - 1)`` with the server's own token count, percentiles over
@@ -234,6 +234,11 @@ def main() -> None:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
 
+    def stop_on_signal(signum: int, frame: object) -> None:
+        raise SystemExit(f"stopped by signal {signum}")  # so the finally below stops llama-server
+
+    signal.signal(signal.SIGTERM, stop_on_signal)
+    signal.signal(signal.SIGHUP, stop_on_signal)
     server = LlamaServer(binary, args.model, free_port(), args.slots, args.ctx, work / "llama-server.log",
                          args.server_arg)
     rounds: list[dict] = []
