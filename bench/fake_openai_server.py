@@ -19,7 +19,8 @@ names; ``--no-metrics`` answers 501 as llama-server does without ``--metrics``),
 
 Faults, for tests: ``--fail-every K`` answers every K-th completion with HTTP 500;
 ``--no-finish`` ends every stream after its tokens with no finish reason and no ``[DONE]``;
-``--no-usage`` leaves ``usage`` and ``timings`` out of the final chunk.
+``--no-usage`` leaves ``usage`` and ``timings`` out of the final chunk; ``--close-after-stream``
+closes the connection after each stream with no ``Connection: close`` header, as llama-server does.
 ``--announce`` prints ``request N`` on stdout when the N-th completion arrives (so a test can wait
 for a request to be in flight, a condition rather than a sleep).
 
@@ -50,6 +51,7 @@ class FakeConfig:
     fail_every: int = 0
     no_finish: bool = False
     no_usage: bool = False
+    close_after_stream: bool = False
     announce: bool = False
     metrics: bool = True
     model: str = "fake-model"
@@ -272,7 +274,7 @@ class Handler(BaseHTTPRequestHandler):
             self._chunk(b"data: " + json.dumps(final).encode() + b"\n\n")
             self._chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
-        if cfg.no_finish:
+        if cfg.no_finish or cfg.close_after_stream:
             self.close_connection = True
 
 
@@ -310,12 +312,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--no-finish", action="store_true")
     parser.add_argument("--no-usage", action="store_true", help="no usage or timings in the final chunk")
+    parser.add_argument("--close-after-stream", action="store_true",
+                        help="close the connection after each stream without saying so (llama-server does)")
     parser.add_argument("--announce", action="store_true")
     parser.add_argument("--no-metrics", action="store_true")
     parser.add_argument("--model", default="fake-model")
     args = parser.parse_args(argv)
     config = FakeConfig(ttft_s=args.ttft, itl_s=args.itl, fail_every=args.fail_every, no_finish=args.no_finish,
-                        no_usage=args.no_usage, announce=args.announce, metrics=not args.no_metrics, model=args.model)
+                        no_usage=args.no_usage, close_after_stream=args.close_after_stream,
+                        announce=args.announce, metrics=not args.no_metrics, model=args.model)
     server = FakeServer(args.host, args.port, config)
 
     def stop(signum: int, frame: object) -> None:

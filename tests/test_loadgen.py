@@ -11,6 +11,7 @@ import json
 import os
 import select
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,15 @@ from pathlib import Path
 import pytest
 
 from workers.errors import BadInput
-from workers.loadgen import CUT, LoadResult, LoadSpec, parse_prometheus, run_load, scrape_metrics
+from workers.loadgen import (
+    CUT,
+    LoadResult,
+    LoadSpec,
+    connection_dropped,
+    parse_prometheus,
+    run_load,
+    scrape_metrics,
+)
 from workers.slo import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +153,27 @@ def test_the_closed_loop_keeps_exactly_its_users_in_flight_and_its_request_bound
     assert stats["requests"] == 12
     assert stats["max_inflight"] == 3  # never more than 3 at the server, and the 3 did overlap
     assert most_in_flight(result.records) <= 3
+
+
+def test_a_server_that_closes_after_each_stream_loses_no_request(fake_server):
+    # llama-server (cpp-httplib) closes the connection after every streamed answer, saying nothing
+    fake = fake_server("--ttft", "0.03", "--itl", "0.005", "--close-after-stream")
+    result = run_load(fake.url, LoadSpec(prompt_tokens=8, gen_tokens=8, concurrency=2, max_requests=8))
+    assert len(result.records) == 10 and all(r.ok for r in result.records), [r.error for r in result.records]
+    log = fake.stats()["log"]
+    assert len(log) == 10  # each request sent once
+    truth = statistics.median(e["first"] - e["arrived"] for e in log)
+    assert abs(statistics.median(r.ttft_s for r in result.records) - truth) < 0.005
+
+
+def test_a_connection_the_peer_closed_is_seen_before_it_is_reused():
+    mine, peer = socket.socketpair()
+    try:
+        assert not connection_dropped(mine)  # idle and open
+        peer.close()
+        assert connection_dropped(mine)  # EOF waiting: the next request would fail on it
+    finally:
+        mine.close()
 
 
 def test_warmup_requests_can_be_set(fake_server):

@@ -30,9 +30,12 @@ Rules (numbered as the code cites them):
    (``usage.completion_tokens``, else ``timings.predicted_n``, both in llama-server's final chunk);
    without either, the chunks that carried text (llama-server sends one token per chunk).
 6. Failures are records, never exceptions: an HTTP error status, a refused or reset connection, an
-   ``error`` event in the stream, a stream that ends without a finish reason, a timeout. A reused
-   keep-alive connection that the server had closed is retried once on a new connection before any
-   byte of the answer arrived (as urllib3 does), so an idle close is not counted as a failure.
+   ``error`` event in the stream, a stream that ends without a finish reason, a timeout. A
+   keep-alive connection is checked before it is reused (readable while idle: the server closed
+   it), and llama-server closes every connection after a streamed answer without saying so (no
+   ``Connection: close``; cpp-httplib), so its next request opens a new one; a reused connection
+   that fails before any byte of the answer arrived is retried once on a new one (as urllib3 does).
+   Neither is counted as a failure.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import json
 import math
 import queue
 import random
+import select
 import socket
 import threading
 import time
@@ -255,8 +259,8 @@ class _Sender:
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         path = run.target.prefix + "/v1/completions"
         for attempt in (0, 1):
-            if self.conn is not None and self.conn.sock is None:
-                self.close()
+            if self.conn is not None and (self.conn.sock is None or connection_dropped(self.conn.sock)):
+                self.close()  # rule 6: llama-server closes a connection after each stream
             fresh = self.conn is None
             try:
                 if fresh:
@@ -370,6 +374,16 @@ class _Sender:
         if first is None:
             return None, None, count or 0, "no generated text in the stream"
         return first, last, count if count is not None else chunks, None
+
+
+def connection_dropped(sock: socket.socket) -> bool:
+    """Whether the server closed this idle keep-alive connection (readable at once means EOF or
+    unsolicited bytes: either way it cannot carry the next request), as urllib3 checks."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _error_text(text: str) -> str:
