@@ -17,19 +17,23 @@ Both tools define the figures as AIPerf does: TTFT from sending to the first gen
 per request ``(e2e - ttft) / (tokens - 1)`` with the server's own token count, percentiles over
 requests with linear interpolation.
 
-The referee is servebench (docs/serving.md, "Load generator and its referee", says why: of the four
-maintained tools on PyPI it came closest to the fake server's known timing at the lowest client CPU
-on this 2-core machine). It lives in its own virtual environment, never the project's:
+The referee is AIPerf (docs/serving.md, "Load generator and its referee", says why: servebench came
+closer to the fake server's known timing at less CPU, but against llama-server it failed 19 of 40
+requests, reusing connections that llama-server closes after every streamed answer; AIPerf can be
+told not to, ``--connection-reuse-strategy never``). It lives in its own virtual environment, never
+the project's, and needs a Hugging Face tokenizer to synthesise prompts: rebuilt from the model's
+GGUF by bench/gguf_tokenizer.py (no hub offline), into a temporary folder when ``--tokenizer`` is
+not given (then the referee's environment needs ``gguf`` too):
 
-    python3 -m venv /tmp/ref/venv-servebench
-    /tmp/ref/venv-servebench/bin/pip install servebench==1.1.3
-    PYTHONPATH=. .venv/bin/python bench/served_referee.py --servebench /tmp/ref/venv-servebench/bin/servebench \
-        --rounds 5 --out served-referee.json
+    python3 -m venv /tmp/ref/venv-aiperf
+    /tmp/ref/venv-aiperf/bin/pip install aiperf==0.13.0 gguf
+    /tmp/ref/venv-aiperf/bin/python bench/gguf_tokenizer.py MODEL.gguf /tmp/ref/smollm2-tokenizer
+    PYTHONPATH=. .venv/bin/python bench/served_referee.py --aiperf /tmp/ref/venv-aiperf/bin/aiperf \
+        --tokenizer /tmp/ref/smollm2-tokenizer --rounds 5 --server-arg=-t --server-arg=1 --out served-referee.json
 
 llama-server is given ``--alias smollm2`` so that the model name every tool sends is the one it
-lists. ``--referee aiperf --aiperf PATH`` uses AIPerf instead (``pip install aiperf gguf``); it needs a
-Hugging Face tokenizer to synthesise prompts, rebuilt from the model's GGUF by
-bench/gguf_tokenizer.py when ``--tokenizer`` is not given.
+lists (servebench refuses a model the server does not list). ``--referee servebench --servebench
+PATH`` runs servebench instead (``pip install servebench``), to see its failures for yourself.
 """
 
 from __future__ import annotations
@@ -138,7 +142,9 @@ def aiperf_round(url: str, args: argparse.Namespace, seed: int, work: Path) -> d
             "--concurrency", str(args.users), "--request-count", str(args.requests),
             "--warmup-request-count", str(args.users), "--isl", str(args.prompt), "--isl-stddev", "0",
             "--osl", str(args.gen), "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
-            "--random-seed", str(seed), "--ui-type", "none", "--output-artifact-dir", str(out_dir)]
+            "--random-seed", str(seed), "--ui-type", "none", "--output-artifact-dir", str(out_dir),
+            # llama-server closes a connection after each streamed answer; a pooled one fails the next request
+            "--connection-reuse-strategy", "never"]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.max_s + 300, check=False)
     wall = time.monotonic() - started
@@ -206,7 +212,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="measured requests per tool per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-s", type=float, default=600, help="time bound of one load")
-    parser.add_argument("--referee", choices=("servebench", "aiperf"), default="servebench")
+    parser.add_argument("--referee", choices=("aiperf", "servebench"), default="aiperf")
     parser.add_argument("--aiperf", default="/tmp/ref/venv-aiperf/bin/aiperf")
     parser.add_argument("--servebench", default="/tmp/ref/venv-servebench/bin/servebench")
     parser.add_argument("--tokenizer", help="Hugging Face tokenizer folder for AIPerf (default: rebuilt from the GGUF)")
