@@ -10,7 +10,10 @@ warm-up request per user) alternately with workers/loadgen.run_load and with the
 rounds, the referee first in odd ones, so a drift in the machine's speed is shared). Each round
 draws new prompts (a new seed for both tools), so no round hits the prompt cache of the one
 before. It prints TTFT and ITL p50/p90 of each tool per round, then the median over rounds of each
-figure, its range, the ratio loadgen / referee, and whether every ratio is within 5 %. llama-server
+figure, its range, the ratio loadgen / referee, and whether every ratio is within 5 %. Beside each
+load it shows the client's CPU seconds (the referee's in a cpuacct cgroup, every process it starts),
+llama-server's CPU seconds and its own decode time per token (from /metrics): what the server did
+while each tool measured it, so a tool whose own CPU slows the server on a small machine shows it. llama-server
 is always stopped at the end (terminated, then killed), on an error or a SIGTERM/SIGINT/SIGHUP too.
 
 Both tools define the figures as AIPerf does: TTFT from sending to the first generated text, ITL
@@ -39,8 +42,10 @@ PATH`` runs servebench instead (``pip install servebench``), to see its failures
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -77,6 +82,47 @@ def gguf_vocab_size(path: str) -> int:
 
     reader = open_gguf(path)
     return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+CGROUP = Path("/sys/fs/cgroup/cpuacct")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc (0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_counted(argv: list[str], timeout_s: float) -> tuple[subprocess.CompletedProcess, float | None]:
+    """Run a command; its CPU seconds with every process it starts (a cgroup-v1 cpuacct group where
+    /sys/fs/cgroup/cpuacct is writable, else the waited children's rusage)."""
+    group: Path | None = CGROUP / f"fleettune-referee-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        group.mkdir()
+    except OSError:
+        group = None
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wrapped = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *argv] if group else argv
+    try:
+        done = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout_s, check=False)
+    finally:
+        if group is not None:  # what the tool left behind (its own processes), even when stopped by a signal
+            for pid in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+    if group is None:
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return done, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    end = time.monotonic() + 10
+    while (group / "cgroup.procs").read_text().strip() and time.monotonic() < end:
+        time.sleep(0.05)  # killed stragglers leaving the group
+    cpu = int((group / "cpuacct.usage").read_text()) / 1e9
+    with contextlib.suppress(OSError):
+        group.rmdir()
+    return done, cpu
 
 
 class LlamaServer:
@@ -127,10 +173,12 @@ def loadgen_round(url: str, args: argparse.Namespace, seed: int, vocab: int) -> 
     spec = LoadSpec(prompt_tokens=args.prompt, gen_tokens=args.gen, concurrency=args.users,
                     max_requests=args.requests, max_s=args.max_s, seed=seed, vocab_size=vocab,
                     request_timeout_s=args.max_s)
+    cpu = time.process_time()
     result = run_load(url, spec, model=MODEL_NAME)
+    cpu = time.process_time() - cpu
     fig = slo_figures(result.records, parse_slo("ttft_p90=1000s"))
     out = {name: 1000 * fig.percentiles[name] if fig.percentiles[name] is not None else None for name in FIGURES}
-    out.update(requests=fig.requests, failed=fig.failed, wall_s=result.wall_s,
+    out.update(requests=fig.requests, failed=fig.failed, wall_s=result.wall_s, client_cpu_s=cpu,
                errors=sorted({r.error for r in result.records if r.error}))
     return out
 
@@ -146,7 +194,7 @@ def aiperf_round(url: str, args: argparse.Namespace, seed: int, work: Path) -> d
             # llama-server closes a connection after each streamed answer; a pooled one fails the next request
             "--connection-reuse-strategy", "never"]
     started = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.max_s + 300, check=False)
+    done, cpu = run_counted(argv, args.max_s + 300)
     wall = time.monotonic() - started
     try:
         data = json.loads((out_dir / "profile_export_aiperf.json").read_text())
@@ -156,7 +204,7 @@ def aiperf_round(url: str, args: argparse.Namespace, seed: int, work: Path) -> d
     errors = data.get("error_summary") or []
     return {"ttft_p50": ttft["p50"], "ttft_p90": ttft["p90"], "itl_p50": itl["p50"], "itl_p90": itl["p90"],
             "requests": int(data["request_count"]["avg"]), "failed": sum(e.get("count", 0) for e in errors),
-            "wall_s": wall, "errors": [str(e) for e in errors]}
+            "wall_s": wall, "client_cpu_s": cpu, "errors": [str(e) for e in errors]}
 
 
 def servebench_round(url: str, args: argparse.Namespace, seed: int, work: Path) -> dict:
@@ -167,7 +215,7 @@ def servebench_round(url: str, args: argparse.Namespace, seed: int, work: Path) 
             "--endpoint", "completions", "--warmup", str(args.users), "--no-gpu", "--seed", str(seed),
             "--out", str(out)]
     started = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.max_s + 300, check=False)
+    done, cpu = run_counted(argv, args.max_s + 300)
     wall = time.monotonic() - started
     try:
         summary = json.loads(out.read_text())["levels"][0]["summary"]
@@ -176,8 +224,18 @@ def servebench_round(url: str, args: argparse.Namespace, seed: int, work: Path) 
     # servebench's TPOT is AIPerf's ITL ((e2e - ttft) / (tokens - 1) per request)
     return {"ttft_p50": 1000 * summary["ttft"]["p50"], "ttft_p90": 1000 * summary["ttft"]["p90"],
             "itl_p50": 1000 * summary["tpot"]["p50"], "itl_p90": 1000 * summary["tpot"]["p90"],
-            "requests": summary["completed"], "failed": summary["failed"], "wall_s": wall,
+            "requests": summary["completed"], "failed": summary["failed"], "wall_s": wall, "client_cpu_s": cpu,
             "errors": sorted(summary.get("errors") or {})}
+
+
+def server_ms_per_token(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The server's own decode time per generated token over one load, from its /metrics
+    (tokens_predicted_seconds_total sums each slot's decode time): how fast it ran, whoever measured."""
+    key_s, key_n = "llamacpp:tokens_predicted_seconds_total", "llamacpp:tokens_predicted_total"
+    if not all(k in d for d in (before, after) for k in (key_s, key_n)):
+        return None
+    tokens = after[key_n] - before[key_n]
+    return 1000 * (after[key_s] - before[key_s]) / tokens if tokens > 0 else None
 
 
 def show(value: float | None) -> str:
@@ -253,19 +311,24 @@ def main() -> None:
         build = identity(binary)
         print(f"llama-server {build} ({' '.join(server.argv)})\nCPU: {cpu}; referee: {args.referee}; "
               f"{args.users} users, prompt {args.prompt}, gen {args.gen}, {args.requests} requests a load", flush=True)
-        print(f"{'round':>5} {'tool':>10} " + " ".join(f"{n + ' ms':>10}" for n in FIGURES) + "  requests failed wall_s")
+        print(f"{'round':>5} {'tool':>10} " + " ".join(f"{n + ' ms':>10}" for n in FIGURES)
+              + "  requests failed wall_s client_cpu_s server_cpu_s server_ms/token")
         for i in range(args.rounds):
             seed = 1000 + i
             order = ["loadgen", args.referee] if i % 2 == 0 else [args.referee, "loadgen"]
             row: dict = {"round": i, "order": order}
             for tool in order:
+                server_cpu, before = proc_cpu_s(server.proc.pid), scrape_metrics(server.url)
                 if tool == "loadgen":
                     row[tool] = loadgen_round(server.url, args, seed, vocab)
                 else:
                     row[tool] = run_referee(server.url, args, seed, work)
                 r = row[tool]
+                r["server_cpu_s"] = proc_cpu_s(server.proc.pid) - server_cpu
+                r["server_ms_per_token"] = server_ms_per_token(before, scrape_metrics(server.url))
                 print(f"{i:>5} {tool:>10} " + " ".join(f"{show(r[n]):>10}" for n in FIGURES)
-                      + f"  {r['requests']:>8} {r['failed']:>6} {r['wall_s']:6.1f}"
+                      + f"  {r['requests']:>8} {r['failed']:>6} {r['wall_s']:6.1f} {r['client_cpu_s']:12.1f}"
+                      + f" {r['server_cpu_s']:12.1f} {show(r['server_ms_per_token']):>12}"
                       + (f"  errors: {r['errors'][:3]}" if r["errors"] else ""), flush=True)
             rounds.append(row)
         metrics = scrape_metrics(server.url)
