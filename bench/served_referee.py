@@ -238,6 +238,24 @@ def server_ms_per_token(before: dict[str, float], after: dict[str, float]) -> fl
     return 1000 * (after[key_s] - before[key_s]) / tokens if tokens > 0 else None
 
 
+def against_server(rounds: list[dict], referee: str) -> dict:
+    """Per tool, medians over rounds: the server's own decode time per token while the tool measured,
+    the tool's ITL p50 over it, and the tool's own CPU in cores (CPU seconds over wall seconds)."""
+    out = {}
+    for tool in ("loadgen", referee):
+        loads = [r[tool] for r in rounds]
+        ratios = [x["itl_p50"] / x["server_ms_per_token"] for x in loads
+                  if x.get("itl_p50") and x.get("server_ms_per_token")]
+        if not ratios:
+            continue
+        cores = [x["client_cpu_s"] / x["wall_s"] for x in loads if x.get("client_cpu_s") is not None]
+        out[tool] = {"itl_p50_over_server_ms_per_token": statistics.median(ratios),
+                     "server_ms_per_token": statistics.median(x["server_ms_per_token"] for x in loads
+                                                              if x.get("server_ms_per_token")),
+                     "client_cores": statistics.median(cores) if cores else None}
+    return out
+
+
 def show(value: float | None) -> str:
     return "-" if value is None else f"{value:8.2f}"
 
@@ -346,11 +364,16 @@ def main() -> None:
               f"{s['paired_ratio_range'][1]:.3f}) {'agree' if s['agree'] else 'DISAGREE'} within {AGREE:.0%}")
     agree = all(s["agree"] for s in result.values())
     print(f"all four within {AGREE:.0%}: {'yes' if agree else 'no'}")
+    against = against_server(rounds, args.referee)
+    for tool, a in against.items():
+        print(f"  {tool:>10}: llama-server's own decode time per token while it measured "
+              f"{a['server_ms_per_token']:.2f} ms (median of rounds); its ITL p50 / that "
+              f"{a['itl_p50_over_server_ms_per_token']:.3f}; its own CPU {show(a['client_cores'])} cores")
     if args.out:
         args.out.write_text(json.dumps({
             "server_argv": server.argv, "build": build, "cpu": cpu, "referee": args.referee,
             "workload": {"users": args.users, "prompt": args.prompt, "gen": args.gen, "requests": args.requests},
-            "rounds": rounds, "summary": result, "agree": agree,
+            "rounds": rounds, "summary": result, "agree": agree, "against_server": against,
             "server_metrics": metrics, "server_props": {k: props.get(k) for k in ("total_slots", "build_info")}},
             indent=1))
     print(f"files: {work}")
