@@ -14,11 +14,13 @@ actually written (``GET /stats``, in seconds of this process's ``perf_counter``)
 against which a client's TTFT and ITL are judged, with the server's own lateness taken out.
 
 Other endpoints: ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (llama-server's Prometheus
-names, with ``--metrics``), ``POST /stats/reset``.
+names; ``--no-metrics`` answers 501 as llama-server does without ``--metrics``), ``GET /count``
+(requests arrived and completed, cheap to poll), ``POST /stats/reset``.
 
 Faults, for tests: ``--fail-every K`` answers every K-th completion with HTTP 500;
 ``--no-finish`` ends every stream after its tokens with no finish reason and no ``[DONE]``;
-``--no-usage`` leaves ``usage`` and ``timings`` out of the final chunk.
+``--no-usage`` leaves ``usage`` and ``timings`` out of the final chunk; ``--close-after-stream``
+closes the connection after each stream with no ``Connection: close`` header, as llama-server does.
 ``--announce`` prints ``request N`` on stdout when the N-th completion arrives (so a test can wait
 for a request to be in flight, a condition rather than a sleep).
 
@@ -49,6 +51,7 @@ class FakeConfig:
     fail_every: int = 0
     no_finish: bool = False
     no_usage: bool = False
+    close_after_stream: bool = False
     announce: bool = False
     metrics: bool = True
     model: str = "fake-model"
@@ -58,6 +61,7 @@ class FakeConfig:
 class FakeState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     requests: int = 0
+    completed: int = 0  # completions whose last byte was written
     inflight: int = 0
     max_inflight: int = 0
     # one dict per completion: arrival, first and last token write (perf_counter), tokens, prompt tokens
@@ -67,7 +71,7 @@ class FakeState:
 
     def reset(self) -> None:
         with self.lock:
-            self.requests = self.max_inflight = 0
+            self.requests = self.max_inflight = self.completed = 0
             self.log = []
             self.prompt_tokens_total = self.tokens_predicted_total = 0
 
@@ -161,6 +165,10 @@ class Handler(BaseHTTPRequestHandler):
                     'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 0',
                 ]
             self._send_text(200, "\n".join(lines) + "\n")
+        elif self.path == "/count":
+            with state.lock:
+                data = {"requests": state.requests, "completed": state.completed, "inflight": state.inflight}
+            self._send_json(200, data)
         elif self.path == "/stats":
             with state.lock:
                 data = {"requests": state.requests, "inflight": state.inflight,
@@ -190,8 +198,6 @@ class Handler(BaseHTTPRequestHandler):
         with state.lock:
             state.requests += 1
             number = state.requests
-        if cfg.announce:
-            print(f"request {number}", flush=True)
         if cfg.fail_every and number % cfg.fail_every == 0:
             self._send_json(500, {"error": {"code": 500, "message": "injected failure", "type": "server_error"}})
             return
@@ -204,6 +210,8 @@ class Handler(BaseHTTPRequestHandler):
             state.inflight += 1
             state.max_inflight = max(state.max_inflight, state.inflight)
             state.log.append(entry)
+        if cfg.announce:  # once it counts as in flight
+            print(f"request {number}", flush=True)
         try:
             if body.get("stream"):
                 self._stream(entry, n, n_prompt, chat, arrived)
@@ -217,6 +225,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with state.lock:
                 state.inflight -= 1
+                state.completed += 1
                 state.prompt_tokens_total += n_prompt
                 state.tokens_predicted_total += entry["tokens"]
 
@@ -265,7 +274,7 @@ class Handler(BaseHTTPRequestHandler):
             self._chunk(b"data: " + json.dumps(final).encode() + b"\n\n")
             self._chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
-        if cfg.no_finish:
+        if cfg.no_finish or cfg.close_after_stream:
             self.close_connection = True
 
 
@@ -303,12 +312,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--no-finish", action="store_true")
     parser.add_argument("--no-usage", action="store_true", help="no usage or timings in the final chunk")
+    parser.add_argument("--close-after-stream", action="store_true",
+                        help="close the connection after each stream without saying so (llama-server does)")
     parser.add_argument("--announce", action="store_true")
     parser.add_argument("--no-metrics", action="store_true")
     parser.add_argument("--model", default="fake-model")
     args = parser.parse_args(argv)
     config = FakeConfig(ttft_s=args.ttft, itl_s=args.itl, fail_every=args.fail_every, no_finish=args.no_finish,
-                        no_usage=args.no_usage, announce=args.announce, metrics=not args.no_metrics, model=args.model)
+                        no_usage=args.no_usage, close_after_stream=args.close_after_stream,
+                        announce=args.announce, metrics=not args.no_metrics, model=args.model)
     server = FakeServer(args.host, args.port, config)
 
     def stop(signum: int, frame: object) -> None:

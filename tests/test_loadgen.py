@@ -11,6 +11,7 @@ import json
 import os
 import select
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,15 @@ from pathlib import Path
 import pytest
 
 from workers.errors import BadInput
-from workers.loadgen import CUT, LoadResult, LoadSpec, parse_prometheus, run_load, scrape_metrics
+from workers.loadgen import (
+    CUT,
+    LoadResult,
+    LoadSpec,
+    connection_dropped,
+    parse_prometheus,
+    run_load,
+    scrape_metrics,
+)
 from workers.slo import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,24 +44,30 @@ class Fake:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, str(FAKE), "--port", "0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                     stderr=subprocess.STDOUT)
+        self.pending = b""  # read from the pipe, not yet split into lines (no buffered reader: select sees all)
         line = self.line_matching("listening on ", deadline_s=20)
         self.url = line.split("listening on ", 1)[1].strip()
 
     def line_matching(self, text: str, deadline_s: float) -> str:
         """The next stdout line containing ``text``, waiting at most ``deadline_s``."""
         end = time.monotonic() + deadline_s
+        fd = self.proc.stdout.fileno()
         while True:
+            while b"\n" in self.pending:
+                raw, self.pending = self.pending.split(b"\n", 1)
+                line = raw.decode()
+                if text in line:
+                    return line
             left = end - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"the fake server printed no line with {text!r} in {deadline_s} s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if ready:
-                line = self.proc.stdout.readline()
-                if not line:
+                data = os.read(fd, 65536)
+                if not data:
                     raise AssertionError(f"the fake server exited (rc {self.proc.poll()}) before printing {text!r}")
-                if text in line:
-                    return line
+                self.pending += data
 
     def stats(self) -> dict:
         with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
@@ -109,12 +124,16 @@ def test_ttft_and_itl_are_the_servers_known_timing(fake_server):
     assert all(r.gen_tokens == 16 for r in records)  # the server's own count (usage.completion_tokens)
     ttft = statistics.median(r.ttft_s for r in records)
     itl = statistics.median(r.itl_s for r in records)
-    assert abs(ttft - 0.08) < 0.005, ttft  # the first token, not the headers (sent at once)
-    assert abs(itl - 0.012) < 0.001, itl
-    # against what the server actually wrote, request by request: the client adds a few ms at most
-    log = {e["n"]: e for e in fake.stats()["log"]}
-    truth_ttft = statistics.median(e["first"] - e["arrived"] for e in log.values())
-    assert abs(ttft - truth_ttft) < 0.004, (ttft, truth_ttft)
+    # against what the server actually wrote (on a loaded machine it writes late): a few ms at most
+    log = fake.stats()["log"]
+    truth_ttft = statistics.median(e["first"] - e["arrived"] for e in log)
+    truth_itl = statistics.median((e["last"] - e["first"]) / (e["tokens"] - 1) for e in log)
+    assert abs(ttft - truth_ttft) < 0.005, (ttft, truth_ttft)
+    assert abs(itl - truth_itl) < 0.0005, (itl, truth_itl)
+    # and the figures are the ones asked for: the first token, not the headers (sent at once, 0 ms)
+    # nor the last (260 ms); the server's lateness is allowed for
+    assert abs(ttft - 0.08) < 0.015, ttft
+    assert abs(itl - 0.012) < 0.002, itl
 
 
 def test_tokens_are_counted_from_the_chunks_when_the_server_gives_no_usage(fake_server):
@@ -136,6 +155,27 @@ def test_the_closed_loop_keeps_exactly_its_users_in_flight_and_its_request_bound
     assert most_in_flight(result.records) <= 3
 
 
+def test_a_server_that_closes_after_each_stream_loses_no_request(fake_server):
+    # llama-server (cpp-httplib) closes the connection after every streamed answer, saying nothing
+    fake = fake_server("--ttft", "0.03", "--itl", "0.005", "--close-after-stream")
+    result = run_load(fake.url, LoadSpec(prompt_tokens=8, gen_tokens=8, concurrency=2, max_requests=8))
+    assert len(result.records) == 10 and all(r.ok for r in result.records), [r.error for r in result.records]
+    log = fake.stats()["log"]
+    assert len(log) == 10  # each request sent once
+    truth = statistics.median(e["first"] - e["arrived"] for e in log)
+    assert abs(statistics.median(r.ttft_s for r in result.records) - truth) < 0.005
+
+
+def test_a_connection_the_peer_closed_is_seen_before_it_is_reused():
+    mine, peer = socket.socketpair()
+    try:
+        assert not connection_dropped(mine)  # idle and open
+        peer.close()
+        assert connection_dropped(mine)  # EOF waiting: the next request would fail on it
+    finally:
+        mine.close()
+
+
 def test_warmup_requests_can_be_set(fake_server):
     fake = fake_server("--ttft", "0.005", "--itl", "0.002")
     result = run_load(fake.url, LoadSpec(prompt_tokens=8, gen_tokens=2, concurrency=2, max_requests=4,
@@ -145,16 +185,20 @@ def test_warmup_requests_can_be_set(fake_server):
 
 def test_the_open_loop_sends_poisson_arrivals_at_its_rate(fake_server):
     fake = fake_server("--ttft", "0.003", "--itl", "0.001")
-    rate = 100.0
+    rate = 40.0  # gaps of 25 ms: a loaded 2-core machine's scheduling delays (a few ms) stay small beside them
     result = run_load(fake.url, LoadSpec(prompt_tokens=8, gen_tokens=2, concurrency=None, rate=rate,
-                                         max_requests=300, max_s=30))
-    assert len(result.records) == 302 and all(r.ok and r.users is None for r in result.records)
+                                         max_requests=200, max_s=30))
+    assert len(result.records) == 202 and all(r.ok and r.users is None for r in result.records)
     arrivals = sorted(e["arrived"] for e in fake.stats()["log"])
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     mean = statistics.fmean(gaps)
-    assert abs(mean - 1 / rate) < 0.15 / rate, mean  # 300 exponential gaps: the mean's sd is 5.8 %
-    cv = statistics.stdev(gaps) / mean
-    assert 0.75 < cv < 1.25, cv  # exponential gaps (a fixed interval would give 0)
+    assert abs(mean - 1 / rate) < 0.2 / rate, mean  # 201 exponential gaps: the mean's sd is 7 %
+    # the shape from the client's own send times (the server's arrivals also carry its scheduling
+    # jitter on a loaded machine): exponential gaps have a CV of 1, uniform ones 0.58, fixed ones 0
+    sends = sorted(r.start_s for r in result.records)
+    sent_gaps = [b - a for a, b in zip(sends, sends[1:], strict=False)]
+    cv = statistics.stdev(sent_gaps) / statistics.fmean(sent_gaps)
+    assert 0.75 < cv < 1.3, cv
 
 
 def test_the_time_bound_cuts_requests_in_flight(fake_server):
@@ -184,15 +228,18 @@ def test_a_server_killed_mid_load_gives_error_records_and_run_load_returns(fake_
     loader = threading.Thread(target=lambda: out.update(result=run_load(fake.url, spec)), daemon=True)
     loader.start()
     fake.line_matching("request 2", deadline_s=20)  # both users' first requests are in flight (4 s each)
+    assert fake.stats()["inflight"] == 2
     os.kill(fake.proc.pid, signal.SIGKILL)
     fake.proc.wait(10)
     loader.join(30)
     assert not loader.is_alive(), "run_load did not return after its server died"
     records = out["result"].records
     assert len(records) == 8 and not any(r.ok for r in records)
-    assert sum(r.error == "connection refused" for r in records) == 6  # every request after the kill
-    cut = [r for r in records if r.error != "connection refused"]
-    assert len(cut) == 2 and all(r.gen_tokens < 200 for r in cut), [r.error for r in cut]
+    in_flight, after = records[:2], records[2:]  # (in the order sent)
+    assert all(r.error and r.gen_tokens < 200 for r in in_flight), [r.error for r in in_flight]
+    assert all(r.error and r.gen_tokens == 0 for r in after), [r.error for r in after]
+    # once the process is gone nothing listens; a connect in the moment it dies may be reset instead
+    assert sum(r.error == "connection refused" for r in after) >= 3, [r.error for r in after]
 
 
 def test_http_errors_and_unfinished_streams_are_records(fake_server):

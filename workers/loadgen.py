@@ -30,9 +30,12 @@ Rules (numbered as the code cites them):
    (``usage.completion_tokens``, else ``timings.predicted_n``, both in llama-server's final chunk);
    without either, the chunks that carried text (llama-server sends one token per chunk).
 6. Failures are records, never exceptions: an HTTP error status, a refused or reset connection, an
-   ``error`` event in the stream, a stream that ends without a finish reason, a timeout. A reused
-   keep-alive connection that the server had closed is retried once on a new connection before any
-   byte of the answer arrived (as urllib3 does), so an idle close is not counted as a failure.
+   ``error`` event in the stream, a stream that ends without a finish reason, a timeout. A
+   keep-alive connection is checked before it is reused (readable while idle: the server closed
+   it), and llama-server closes every connection after a streamed answer without saying so (no
+   ``Connection: close``; cpp-httplib), so its next request opens a new one; a reused connection
+   that fails before any byte of the answer arrived is retried once on a new one (as urllib3 does).
+   Neither is counted as a failure.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import json
 import math
 import queue
 import random
+import select
 import socket
 import threading
 import time
@@ -164,7 +168,7 @@ class _Target:
 
 
 class _Prompts:
-    """Rule 1: the i-th request's body, drawn from one seeded generator in request order."""
+    """Rule 1: each request's body, drawn from one seeded generator (one seed, one set of prompts)."""
 
     def __init__(self, spec: LoadSpec, model: str) -> None:
         self.spec, self.model = spec, model
@@ -228,12 +232,6 @@ class _Sender:
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.conn: http.client.HTTPConnection | None = None
-        self.reused = False
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
 
     def _register(self, sock: socket.socket | None, add: bool) -> None:
         if sock is None:
@@ -261,8 +259,8 @@ class _Sender:
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         path = run.target.prefix + "/v1/completions"
         for attempt in (0, 1):
-            if self.conn is not None and self.conn.sock is None:
-                self._drop()
+            if self.conn is not None and (self.conn.sock is None or connection_dropped(self.conn.sock)):
+                self.close()  # rule 6: llama-server closes a connection after each stream
             fresh = self.conn is None
             try:
                 if fresh:
@@ -274,21 +272,22 @@ class _Sender:
                 self.conn.request("POST", path, body, headers)
                 response = self.conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                self._drop()
+                self.close()
                 if not fresh and attempt == 0 and not run.stop.is_set():
                     continue  # rule 6: a keep-alive connection the server had closed
                 return None, None, 0, self._why(exc)
             except (OSError, http.client.HTTPException) as exc:
-                self._drop()
+                self.close()
                 return None, None, 0, self._why(exc)
             break
         try:
             return self._read(response, limit)
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            self._drop()
+            self.close()
             return None, None, 0, self._why(exc)
 
-    def _drop(self) -> None:
+    def close(self) -> None:
+        """Close the connection (the next request opens a new one)."""
         if self.conn is not None:
             self._register(self.conn.sock, False)
             self.conn.close()
@@ -310,7 +309,7 @@ class _Sender:
         if response.status != 200:
             text = response.read().decode(errors="replace")
             if response.will_close:
-                self._drop()
+                self.close()
             return None, None, 0, f"HTTP {response.status}: {_error_text(text)}"[:200]
         sock = self.conn.sock
         first = last = None
@@ -342,7 +341,7 @@ class _Sender:
                 if not isinstance(event, dict):
                     continue
                 if "error" in event:
-                    self._drop()
+                    self.close()
                     return first, last, chunks, f"server error: {_error_text(json.dumps(event))}"[:200]
                 choices = event.get("choices") or []
                 choice = choices[0] if choices and isinstance(choices[0], dict) else {}
@@ -367,14 +366,24 @@ class _Sender:
                 sock.settimeout(max(min(limit - time.perf_counter(), 1.0), 1e-3))
                 response.read()
             except (OSError, http.client.HTTPException):
-                self._drop()
+                self.close()
         if self.conn is not None and (response.will_close or not response.isclosed()):
-            self._drop()
+            self.close()
         if finish is None:
             return first, last, chunks, f"stream ended without a finish reason after {chunks} chunk(s)"
         if first is None:
             return None, None, count or 0, "no generated text in the stream"
         return first, last, count if count is not None else chunks, None
+
+
+def connection_dropped(sock: socket.socket) -> bool:
+    """Whether the server closed this idle keep-alive connection (readable at once means EOF or
+    unsolicited bytes: either way it cannot carry the next request), as urllib3 checks."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _error_text(text: str) -> str:
@@ -395,7 +404,7 @@ def _closed_user(run: _Run, users: int) -> None:
         while (index := run.take()) is not None:
             sender.one(index, users)
     finally:
-        sender._drop()
+        sender.close()
 
 
 class _OpenLoop:
@@ -416,7 +425,7 @@ class _OpenLoop:
                 with self.lock:
                     self.idle += 1
         finally:
-            sender._drop()
+            sender.close()
 
     def _spawn(self, idle: bool) -> None:
         thread = threading.Thread(target=self._worker, daemon=True, name=f"loadgen-sender-{len(self.threads)}")
