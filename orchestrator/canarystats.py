@@ -114,7 +114,8 @@ CONTINUOUS, SHARE = "continuous", "share"
 @dataclass(frozen=True)
 class Metric:
     """One metric a canary is judged on: its name, direction, kind and tolerance (continuous: the
-    ratio canary/control may be this much worse; share: the margin, an absolute share)."""
+    ratio canary/control may be this much worse, or where negative must be this much better;
+    share: the margin, an absolute share)."""
 
     name: str
     lower_is_better: bool
@@ -125,11 +126,12 @@ class Metric:
     def __post_init__(self) -> None:
         if self.kind not in (CONTINUOUS, SHARE):
             raise ValueError(f"metric {self.name}: kind must be {CONTINUOUS!r} or {SHARE!r}, not {self.kind!r}")
-        # a share's margin and a higher-is-better limit (1 - tolerance) need a tolerance below 1;
-        # a lower-is-better limit (1 + tolerance) any finite one
-        upper = math.inf if self.kind == CONTINUOUS and self.lower_is_better else 1.0
-        if not (0 <= self.tolerance < upper):
-            raise ValueError(f"metric {self.name}: tolerance {self.tolerance!r} not in [0, {upper:g})")
+        # a share's margin is a share in [0, 1); a continuous metric's limit (1 -+ tolerance) must be a
+        # positive ratio: a negative tolerance asks the canary to be better than its controls
+        low, high = ((0.0, 1.0) if self.kind == SHARE else (-1.0, math.inf) if self.lower_is_better
+                     else (-math.inf, 1.0))
+        if not (low <= self.tolerance < high) or (self.kind == CONTINUOUS and self.tolerance == low):
+            raise ValueError(f"metric {self.name}: tolerance {self.tolerance!r} outside [{low:g}, {high:g})")
         if self.min_points < 1:
             raise ValueError(f"metric {self.name}: min_points must be >= 1")
 
@@ -233,17 +235,18 @@ def _positive(value: float | None) -> bool:
 def _compare_share(canary: Sequence[float | None], control: Sequence[float | None], rule: Metric) -> ShareComparison:
     """Flags (1: the event, 0: not; None: no flag) as a share of requests. Fail when the canary's
     share is worse than its control group's by more than the margin, whatever the number of
-    requests; pass with ``min_points`` requests in each group otherwise."""
+    requests; pass with ``min_points`` requests in each group otherwise. Without control requests
+    the canary's share is held to none (errors) or all (goodput) and passes on its own requests."""
     a = [1 if f else 0 for f in canary if f is not None]
     b = [1 if f else 0 for f in control if f is not None]
     outcome = INCONCLUSIVE
     if a:
         share_a = sum(a) / len(a)
-        share_b = sum(b) / len(b) if b else 0.0  # no control requests: the canary's own share is judged
+        share_b = sum(b) / len(b) if b else (0.0 if rule.lower_is_better else 1.0)
         worse_by = share_a - share_b if rule.lower_is_better else share_b - share_a
         if worse_by > rule.tolerance + 1e-12:
             outcome = FAIL
-        elif len(a) >= rule.min_points and len(b) >= rule.min_points:
+        elif len(a) >= rule.min_points and (not b or len(b) >= rule.min_points):
             outcome = PASS
     return ShareComparison(outcome, rule.name, len(a), len(b), sum(a), sum(b), rule.tolerance,
                            rule.lower_is_better, rule.min_points)

@@ -160,7 +160,7 @@ def test_the_verdict_fails_on_any_metric_passes_on_all_and_is_inconclusive_other
 
 
 def test_a_metric_that_cannot_be_judged_is_refused():
-    for bad in (dict(name="itl", lower_is_better=True, tolerance=-0.1),
+    for bad in (dict(name="itl", lower_is_better=True, tolerance=-1.0),
                 dict(name="tps", lower_is_better=False, tolerance=1.0),
                 dict(name="errors", lower_is_better=True, tolerance=1.0, kind="share"),
                 dict(name="itl", lower_is_better=True, tolerance=0.1, kind="median"),

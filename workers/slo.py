@@ -246,7 +246,10 @@ def figures(records: Sequence[RequestRecord], slo: SLO) -> LoadFigures:
             pcts[f"{metric}_p{p}"] = percentile(values, p)
         pcts[f"{metric}_p10"] = percentile(values, 10)
     why = slo.breach(records)
-    rate = (lambda n: n / window if window else 0.0)
+
+    def rate(n: float) -> float:
+        return n / window if window else 0.0
+
     return LoadFigures(
         requests=len(measured), failed=len(measured) - len(ok), window_s=window,
         throughput_tps=rate(sum(r.gen_tokens for r in ok)), request_rate=rate(len(ok)),
