@@ -222,7 +222,7 @@ def _collect_load(base: dict, node_id: str, payload: dict, controls: list[str], 
               "left_out": [c for c in controls if c not in same_kind]}
 
     def load(node: str, index: int, round_no: int) -> dict:
-        spec = canaryload.load_spec(n_prompt, n_gen_load, round_no, index, vocab)
+        spec = canaryload.load_spec(n_prompt, n_gen_load, round_no, index, vocab, salt=int(payload["version"]))
         return applier.load(node, spec, canaryload.ROUND_S)
 
     def figures_from(summaries: dict[str, dict]) -> dict:

@@ -126,13 +126,18 @@ def judgement(canary: dict[str, list], controls: dict[str, list] | None, rules: 
     return Judgement(outcome, comparisons)
 
 
-def load_spec(n_prompt: int, n_gen: int, round_no: int, node_index: int, vocab_size: int | None) -> LoadSpec:
-    """One node's load in one round: the workload's prompt and generated lengths, ``CONCURRENCY``
-    users, the first request of each user in the first round a warm-up (a server that has just
-    started pays first-use costs), prompts seeded by round and node (no two alike)."""
-    return LoadSpec(prompt_tokens=n_prompt, gen_tokens=n_gen, concurrency=CONCURRENCY,
-                    max_requests=10_000, max_s=ROUND_S, warmup_requests=CONCURRENCY if round_no == 0 else 0,
-                    seed=1 + round_no * 64 + node_index, vocab_size=vocab_size or LoadSpec.vocab_size)
+def load_spec(n_prompt: int, n_gen: int, round_no: int, node_index: int, vocab_size: int | None,
+              salt: int = 0, concurrency: int | None = None) -> LoadSpec:
+    """One node's load in one round: the workload's prompt and generated lengths, ``concurrency``
+    users (default ``CONCURRENCY``), the first request of each user in the first round a warm-up (a
+    server that has just started pays first-use costs), prompts seeded by ``salt`` (one per
+    analysis: the rollout's config version), round and node, so that no two are alike, not even
+    across analyses (a control's server would find an earlier analysis's prompt in its prompt
+    cache, and answer it faster than the canary's freshly started server)."""
+    users = concurrency or CONCURRENCY
+    return LoadSpec(prompt_tokens=n_prompt, gen_tokens=n_gen, concurrency=users,
+                    max_requests=10_000, max_s=ROUND_S, warmup_requests=users if round_no == 0 else 0,
+                    seed=1 + ((salt * 10_000 + round_no) * 64 + node_index), vocab_size=vocab_size or LoadSpec.vocab_size)
 
 
 def load_rounds(load: Callable[[str, int, int], dict], node_ids: list[str],
