@@ -344,9 +344,7 @@ def _judge_load(figures: dict, expected: float, tolerance: float, where: str, an
         verdict = canaryload.judgement(samples(canary), canaryload.pooled([samples(c) for c in answering]), rules)
     else:  # no node of the chip left on the old config: the benchmark's figure is the rate's reference
         verdict = canaryload.judgement(samples(canary), None, rules, expected_rate=expected)
-    analysis.update(floor_ratio=floor, judgement=verdict.as_dict(),
-                    metrics={r.name: {"limit": r.limit if r.kind == canarystats.CONTINUOUS else r.tolerance,
-                                      "lower_is_better": r.lower_is_better, "kind": r.kind} for r in rules})
+    analysis.update(floor_ratio=floor, judgement=verdict.as_dict())
     shown = "no rate" if rate is None else f"{rate:.2f} tok/s"
     summary = (f"{shown} served ({figures.get('objective')}, streamed), ttft "
                f"{(canary.get('ttft_s') or 0) * 1000:.0f} ms, itl {(canary.get('itl_s') or 0) * 1000:.1f} ms")
