@@ -16,7 +16,7 @@ fail is a false rollback) and with a seeded regression, the canary's measured de
 larger, its TTFT as measured). Each is judged at every ITL tolerance of ``--itl-tolerances``, each
 with its own sequential looks and stop; the rounds go on until every one of them is decided.
 
-    python bench/canary_real.py --analyses 40 --itl-tolerances 0.1,0.15,0.2 --seeded 1.3
+    nice -n 5 python bench/canary_real.py --analyses 40 --itl-tolerances 0.1,0.15,0.2 --seeded 1.3
 
 Prints one table row per tolerance: A/A pass/fail/inconclusive (fail: false rollbacks), seeded
 pass/fail/inconclusive (fail: detections), and the median analysis length (requests per arm at the
@@ -62,12 +62,14 @@ def slowed(record: RequestRecord, factor: float) -> RequestRecord:
 
 
 def start_servers(binary: str, n: int, log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """``n`` llama-servers of MODEL with PARAMS' flags and SERVER_FLAGS, each on a free port."""
     procs, urls = [], []
     for i in range(n):
         with socket.socket() as probe:  # a free port for the server to bind (llama-server takes no socket)
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        argv = ["nice", "-n", "5", binary, "-m", str(MODEL), *PARAMS.llama_cpp_flags("llama-server").split(),
+        # as nice as this process (run it under `nice`)
+        argv = [binary, "-m", str(MODEL), *PARAMS.llama_cpp_flags("llama-server").split(),
                 *SERVER_FLAGS, "--host", "127.0.0.1", "--port", str(port)]
         with open(log_dir / f"server-{i}.log", "w") as log:
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
@@ -210,8 +212,9 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         wait_healthy(urls, procs)
+        argv = Path(f"/proc/{procs[0].pid}/cmdline").read_bytes().decode().split("\0")
         print(f"{binary} ({llamatools.identity(binary).get('commit', '?')}), {cpu_name()}; servers: "
-              f"{PARAMS.llama_cpp_flags('llama-server')} {' '.join(SERVER_FLAGS)}; workload {args.prompt} prompt + "
+              f"{' '.join(argv[3:]).strip()}; workload {args.prompt} prompt + "
               f"{args.gen} generated tokens, {args.users} users per server, rounds of {args.round_s:g} s; logs {log_dir}",
               flush=True)
         for number in range(args.analyses):
@@ -221,6 +224,9 @@ def main() -> None:
             result = run_analysis(number, urls, args, tolerances, vocab)
             results.append(result)
             shown = ", ".join(f"{k} {v['outcome']}@{v['points']}" for k, v in result["decided"].items())
+            if args.json:  # what is done so far, should the run be stopped
+                args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results},
+                                                indent=1, default=str))
             print(f"analysis {number + 1}/{args.analyses} (canary {result['canary']}, {result['seconds']:.0f} s, "
                   f"itl {result['canary_itl_ms']:.1f} ms x{result['final_itl_ratio']:.3f}, ttft "
                   f"x{result['final_ttft_ratio']:.3f}, errors {sum(result['errors'].values())}): {shown}", flush=True)
