@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator import canarystats
+from orchestrator import canaryload, canarystats
 from orchestrator.nodecalls import Applier, workload
 from workers.models import ModelInfo
 from workers.objective import objective as objective_named
@@ -186,6 +186,8 @@ def collect(node_id: str, chip_key: str, payload: dict, control_ids: list[str], 
             held = None
         same_measure = held and held["objective"] == obj.name and held.get("workload") == payload.get("workload")
         expected_of[control] = held["expected_tps"] if same_measure else None
+    if status.get("kind") == canaryload.STREAMING_KIND:
+        return _collect_load(base, node_id, payload, serving_controls, expected_of, model, applier, enough)
     served = {**base, "method": "served", "switched": True, "workload": [n_prompt, n_gen],
               "generated_per_sample": n_gen_measured}
 
@@ -202,12 +204,50 @@ def collect(node_id: str, chip_key: str, payload: dict, control_ids: list[str], 
     return figures_from(summaries)
 
 
+def _collect_load(base: dict, node_id: str, payload: dict, controls: list[str], expected_of: dict,
+                  model: ModelInfo | None, applier: Applier, enough: Callable[[dict], bool] | None) -> dict:
+    """A llama-server canary's figures: streamed load on it and on its controls of the same server
+    kind, round by round at the same moment (orchestrator.canaryload), every request a record."""
+    obj = objective_named(payload["objective"])
+    n_prompt, n_gen = probe_workload(payload)
+    # every request generates: its ITL is judged whatever the objective
+    n_gen_load = min(max(n_gen, PROBE_MIN_GEN), PROBE_MAX_GEN)
+    same_kind = [c for c in controls if (applier.serve_status(c) or {}).get("kind") == canaryload.STREAMING_KIND]
+    nodes = [node_id, *same_kind]
+    vocab = model.n_vocab if model is not None else None
+    loaded = {**base, "method": canaryload.METHOD, "switched": True, "kind": canaryload.STREAMING_KIND,
+              "workload": [n_prompt, n_gen], "generated_per_request": n_gen_load,
+              "load": {"round_s": canaryload.ROUND_S, "concurrency": canaryload.CONCURRENCY,
+                       "max_points_per_arm": canaryload.MAX_POINTS_PER_ARM},
+              "left_out": [c for c in controls if c not in same_kind]}
+
+    def load(node: str, index: int, round_no: int) -> dict:
+        spec = canaryload.load_spec(n_prompt, n_gen_load, round_no, index, vocab, salt=int(payload["version"]))
+        return applier.load(node, spec, canaryload.ROUND_S)
+
+    def figures_from(summaries: dict[str, dict]) -> dict:
+        canary = summaries[node_id]
+        rated = [{**summaries[c], "node": c, "expected": expected_of.get(c),
+                  "rate": canaryload.median_rate(summaries[c], obj, n_prompt, n_gen)} for c in same_kind]
+        pooled = [r for c in rated if c.get("served") for r in c.get("records", [])]
+        return {**loaded, "canary": canary, "controls": rated,
+                "rate": canaryload.median_rate(canary, obj, n_prompt, n_gen),
+                "control_rate": canaryload.median_rate({"served": True, "records": pooled}, obj, n_prompt, n_gen)
+                if pooled else None}
+
+    summaries = canaryload.load_rounds(load, nodes, enough=None if enough is None else
+                                       lambda s: enough(figures_from(s)), budget_s=ANALYSIS_BUDGET_S)
+    return figures_from(summaries)
+
+
 def judge(figures: dict, expected: float, tolerance: float, min_points: int = canarystats.MIN_POINTS) -> Verdict:
     """The verdict on a canary's ``figures`` (``collect``), held to ``expected`` (tok/s) and to its
     control group, each within ``tolerance``. Pure: no node, no clock, no database."""
     where = f"canary {str(figures.get('node', '?'))[:12]} ({figures.get('chip', '?')})"
     rate = figures.get("rate")
     analysis = {**figures, "expected": expected, "tolerance": tolerance}
+    if figures["method"] == canaryload.METHOD:
+        return _judge_load(figures, expected, tolerance, where, analysis)
     if figures["method"] == "benchmark":
         floor = expected * (1 - tolerance)
         analysis["floor"] = floor
@@ -270,6 +310,56 @@ def judge(figures: dict, expected: float, tolerance: float, min_points: int = ca
         return Verdict(INCONCLUSIVE, rate, f"{where}: {comparison.n_canary} served rates, {min_points} needed "
                        f"to pass; {comparison.describe()}", analysis, summary)
     return Verdict(PASS, rate, None, analysis, summary)
+
+
+def _judge_load(figures: dict, expected: float, tolerance: float, where: str, analysis: dict) -> Verdict:
+    """``judge`` for a llama-server canary: every metric of orchestrator.canaryload judged at once
+    (canarystats.judge_metrics), the objective's rate held to the same floor as ``judge``'s."""
+    version = figures.get("version")
+    canary, controls = figures.get("canary") or {}, figures.get("controls") or []
+    rate = figures.get("rate")
+    if not canary.get("served"):
+        return Verdict(FAIL, None, f"{where}: no served figures ({canary.get('error')})", analysis, "no rate")
+    if canary.get("config_versions") != [version]:
+        return Verdict(INCONCLUSIVE, rate, f"{where}: served config(s) {canary.get('config_versions')} while "
+                       f"measured, not {version} only", analysis, "switched away")
+    answering = [c for c in controls if c.get("served")]
+    if controls and not answering:
+        return Verdict(INCONCLUSIVE, rate, f"{where}: its control group of {len(controls)} gave no figures "
+                       f"({'; '.join(str(c.get('error')) for c in controls)})", analysis, "no control")
+    obj = objective_named(figures["objective"])
+    n_prompt, n_gen = figures.get("workload") or (0, 0)
+
+    def samples(node: dict) -> dict[str, list]:
+        records = [canaryload.expand(r, n_prompt) for r in node.get("records", [])]
+        return canaryload.request_samples(records, obj, n_prompt, n_gen)
+
+    # the rate's floor as judge's: 1 - tolerance, raised where the canary's config is expected to be
+    # faster than its controls' (the expected figures' ratio, both measured by benchmark)
+    old_expected = next((c["expected"] for c in answering if c.get("expected")), None)
+    gain = max(1.0, expected / old_expected) if old_expected else 1.0
+    floor = (1 - tolerance) * gain
+    rules = canaryload.metrics_for(floor)
+    if answering:
+        verdict = canaryload.judgement(samples(canary), canaryload.pooled([samples(c) for c in answering]), rules)
+    else:  # no node of the chip left on the old config: the benchmark's figure is the rate's reference
+        verdict = canaryload.judgement(samples(canary), None, rules, expected_rate=expected)
+    analysis.update(floor_ratio=floor, judgement=verdict.as_dict())
+    shown = "no rate" if rate is None else f"{rate:.2f} tok/s"
+    summary = (f"{shown} served ({figures.get('objective')}, streamed), ttft "
+               f"{(canary.get('ttft_s') or 0) * 1000:.0f} ms, itl {(canary.get('itl_s') or 0) * 1000:.1f} ms")
+    if figures.get("control_rate"):
+        summary += f", control {figures['control_rate']:.2f}"
+    if verdict.outcome == canarystats.FAIL:
+        worse = "; ".join(verdict.comparisons[m].describe() for m in verdict.failed)
+        return Verdict(FAIL, rate, f"{where}: worse than {'its control group' if answering else 'expected'} "
+                       f"beyond the tolerance in {', '.join(verdict.failed)}: {worse}", analysis, summary)
+    if verdict.outcome == canarystats.INCONCLUSIVE:
+        open_ = "; ".join(verdict.comparisons[m].describe() for m in verdict.undecided)
+        return Verdict(INCONCLUSIVE, rate, f"{where}: undecided on {', '.join(verdict.undecided)} "
+                       f"({canarystats.MIN_POINTS_PER_ARM} requests per group needed to pass): {open_}",
+                       analysis, summary)
+    return Verdict(PASS, rate, None, analysis, summary + "; " + verdict.describe())
 
 
 def analyse(node_id: str, chip_key: str, payload: dict, control_ids: list[str], model: ModelInfo | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from orchestrator import dispatch
 from workers import agent
+from workers.loadgen import LoadSpec
 from workers.models import ModelInfo
 from workers.objective import objective as objective_named
 from workers.trial import BenchParams, TrialSpec, Workload
@@ -61,6 +62,12 @@ class Applier:
         summary with each sample (workers.probe)."""
         return self._on_node(agent.probe_served, node_id, n_prompt, n_gen, n_requests, 300, first,
                              timeout_s=PROBE_TIMEOUT_S)
+
+    def load(self, node_id: str, spec: LoadSpec, duration_s: float) -> dict:
+        """Streamed closed-loop load ``spec`` on the node's own server for ``duration_s``; every
+        request's record (workers.timedload)."""
+        return self._on_node(agent.load_served, node_id, spec.to_dict(), duration_s,
+                             timeout_s=duration_s + spec.request_timeout_s + APPLY_TIMEOUT_S)
 
     def verify(self, node_id: str, chip_key: str, model: ModelInfo, payload: dict, timeout_s: float = 600
                ) -> float | None:

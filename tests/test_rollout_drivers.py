@@ -222,3 +222,84 @@ def test_an_inconclusive_canary_pauses_the_rollout_and_start_judges_it_again(fle
     assert nodeconfig.read(nodes[1]) is None  # the wave never moved
     cli("rollout", "start", "--model", MODEL, "--chips", CHIP, "--db", url)  # judged again: exit 0
     assert {r["rollout_state"] for r in ro.status_rows(db, rollout_id)} == {"promoted"}
+
+
+def test_a_llama_server_canary_is_judged_per_metric_and_status_json_carries_each_comparison(fleet, monkeypatch):
+    """Nodes whose servers are llama-server (fake streaming servers of a known TTFT and ITL): the
+    canary analysis loads canary and control at once with streamed requests and judges TTFT, ITL,
+    the objective's rate and errors together; the promoted canary's row in `rollout status --json`
+    carries the verdict and every metric's comparison. A config whose server decodes 1.6x slower
+    (its ITL; its TTFT and its rate within their tolerances) is rolled back on ITL."""
+    from bench.fake_openai_server import FakeConfig, FakeServer
+    from orchestrator import canaryload
+    from workers import probe, timedload
+
+    url, nodes = fleet
+    db = open_database(url)
+    monkeypatch.setattr(canaryload, "ROUND_S", 1.0)  # fake servers answer in ~0.3 s: 4 users, 1 s rounds
+    monkeypatch.setattr(canaryload, "CONCURRENCY", 4)
+    fakes = {n: FakeServer(config=FakeConfig(ttft_s=0.02, itl_s=0.008)) for n in nodes}
+    slow_server = FakeServer(config=FakeConfig(ttft_s=0.02, itl_s=0.008 * 1.6))
+    threads = [threading.Thread(target=f.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+               for f in [*fakes.values(), slow_server]]
+    for thread in threads:
+        thread.start()
+    slow_threads: list[int] = []  # the n_threads of the config whose server is slow
+
+    class StreamingServers(ro.Applier):
+        """Each node's llama-server, as its status, load and probe report it: it serves the node's config."""
+
+        def serve_status(self, node_id):
+            held = nodeconfig.read(node_id)
+            return {"fresh": True, "ready": True, "config_version": held["version"] if held else 0,
+                    "kind": "llama-server"}
+
+        def server(self, node_id) -> FakeServer:
+            held = nodeconfig.read(node_id)
+            return slow_server if held and held["params"]["n_threads"] in slow_threads else fakes[node_id]
+
+        def load(self, node_id, spec, duration_s):
+            version = self.serve_status(node_id)["config_version"]
+            records = timedload.run_for(self.server(node_id).url, spec, duration_s).records
+            return {"served": True, "records": [r.to_dict() for r in records], "config_version": version,
+                    "config_version_after": version}
+
+        def probe(self, node_id, n_prompt, n_gen, n_requests=1, first=0):  # the before/after snapshots
+            version = self.serve_status(node_id)["config_version"]
+            return {"served": True, **probe.probe(self.server(node_id).url + "/v1", "m", n_prompt, n_gen,
+                                                  n_requests, first=first),
+                    "config_version": version, "config_version_after": version}
+
+    def new_config() -> int:
+        with db.session() as s:  # a config the nodes do not hold yet
+            rec = [r for r in repo.all_latest_recommendations(s, "tg", True) if r.chip.key == CHIP][0]
+            rec.params = {**rec.params, "n_threads": rec.params["n_threads"] % 8 + 1}
+            rec.expected_tps = 1.0  # the canary is held to its control group alone
+            return rec.params["n_threads"]
+
+    try:
+        new_config()
+        rollout_id = ro.start(db, sim_model_info(MODEL), chips=[CHIP], canary_share=0.5, tolerance=0.3,
+                              applier=StreamingServers())
+        shown = json.loads(cli("rollout", "status", rollout_id, "--db", url, "--json").stdout)
+        assert {r["rollout_state"] for r in shown} == {"promoted"}, shown[0]["reason"]
+        analysis = next(r for r in shown if r["stage"] == 0)["analysis"]
+        assert analysis["method"] == "served-load" and analysis["judgement"]["outcome"] == "pass"
+        metrics = analysis["judgement"]["metrics"]
+        assert set(metrics) == {"ttft", "itl", "rate", "errors"}
+        assert all(m["outcome"] == "pass" and m["n_canary"] >= 50 for m in metrics.values())
+        assert metrics["itl"]["floor"] == pytest.approx(1 + canaryload.ITL_TOLERANCE)
+        assert len(analysis["canary"]["records"]) == metrics["errors"]["n_canary"]  # every request kept
+
+        slow_threads.append(new_config())
+        regressed = ro.start(db, sim_model_info(MODEL), chips=[CHIP], canary_share=0.5, tolerance=0.9,
+                             applier=StreamingServers())
+        rows = json.loads(cli("rollout", "status", regressed, "--db", url, "--json").stdout)
+        canary = next(r for r in rows if r["stage"] == 0)
+        assert canary["rollout_state"] == "rolled_back" and "in itl" in canary["reason"], canary["reason"]
+        assert canary["analysis"]["judgement"]["metrics"]["itl"]["outcome"] == "fail"
+        assert [nodeconfig.read(n)["version"] for n in nodes] == [rollout_id] * 2  # both back on the first
+    finally:
+        for fake in [*fakes.values(), slow_server]:
+            fake.shutdown()
+            fake.server_close()

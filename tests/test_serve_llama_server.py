@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_llama_tool, wait_until
-from workers import llamatools, nodeconfig, probe, serve
+from workers import llamatools, nodeconfig, probe, serve, timedload
+from workers.loadgen import LoadSpec
 from workers.models import read_model_info
 
 FLEETTUNE = str(Path(sys.executable).with_name("fleettune"))
@@ -70,6 +71,11 @@ def test_llama_server_serves_switches_config_and_comes_back_after_a_kill(model_p
 
         figures = probe.probe(switched["address"], switched["model"], 64, 8, n_requests=3)
         assert figures["errors"] == 0 and figures["best_pp_tps"] > 0 and figures["best_tg_tps"] > 0
+        # the streamed load a llama-server canary is judged by (agent.load_served): every token streamed
+        spec = LoadSpec(prompt_tokens=64, gen_tokens=32, concurrency=1, max_requests=100,
+                        vocab_size=read_model_info(model_path).n_vocab)
+        streamed = timedload.run_for(switched["address"], spec, 3.0, switched["model"]).records
+        assert streamed and all(r.ok and r.gen_tokens == 32 and r.itl_s > 0 for r in streamed), streamed
 
         os.kill(switched["pid"], signal.SIGKILL)  # the server dies: the supervisor starts it again
         back = wait_until(lambda: (s := serve.read_status(NODE)) and s["pid"] != switched["pid"] and s["healthy"]

@@ -250,3 +250,20 @@ def probe_served(node_id: str, n_prompt: int, n_gen: int, n_requests: int, deadl
     after = serve.read_status(node_id) or {}
     return {"served": True, **summary, "config_version": before["config_version"],
             "config_version_after": after.get("config_version")}
+
+
+def load_served(node_id: str, spec: dict, duration_s: float) -> dict:
+    """On a node: closed-loop streamed load (``spec``: a workers.loadgen.LoadSpec as a dict) on its own
+    server (loopback) for ``duration_s`` (workers.timedload), every request a record; with the config
+    version served before and after, so a switch is seen."""
+    from workers import serve, timedload
+    from workers.loadgen import LoadSpec
+
+    _check_node(node_id)
+    before = serve.read_status(node_id)
+    if not before or not before.get("fresh") or not before.get("ready"):
+        return {"served": False, "error": "no server running on this node"}
+    result = timedload.run_for(before["address"], LoadSpec.from_dict(spec), duration_s, before["model"])
+    after = serve.read_status(node_id) or {}
+    return {"served": True, "records": [r.to_dict() for r in result.records], "kind": before.get("kind"),
+            "config_version": before["config_version"], "config_version_after": after.get("config_version")}
