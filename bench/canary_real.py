@@ -16,11 +16,14 @@ fail is a false rollback) and with a seeded regression, the canary's measured de
 larger, its TTFT as measured). Each is judged at every ITL tolerance of ``--itl-tolerances``, each
 with its own sequential looks and stop; the rounds go on until every one of them is decided.
 
-    nice -n 5 python bench/canary_real.py --analyses 40 --itl-tolerances 0.1,0.15,0.2 --seeded 1.3
+    nice -n 5 python bench/canary_real.py --analyses 40 --prompt 16 --gen 8 --itl-tolerances 0.1,0.15 \
+        --json docs/canary/real-aa-seeded-40.json    # the table in docs/serving.md
+    python bench/canary_real.py --itl-tolerances 0.1,0.15 --table-from docs/canary/real-aa-seeded-40.json
 
 Prints one table row per tolerance: A/A pass/fail/inconclusive (fail: false rollbacks), seeded
-pass/fail/inconclusive (fail: detections), and the median analysis length (requests per arm at the
-decision). ``--json`` writes every analysis's outcomes and lengths.
+pass/fail/inconclusive (fail: detections), and the median analysis length (the canary's requests at
+the verdict). ``--json`` writes every analysis's outcomes and lengths (after each analysis);
+``--table-from`` prints the table of such files, their analyses pooled.
 """
 
 from __future__ import annotations
@@ -163,25 +166,35 @@ def cpu_name() -> str:
     return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
 
 
+def summary_line(results: list[dict], args) -> str:
+    ratios = [r["final_itl_ratio"] for r in results]
+    return (f"{len(results)} analyses, median {statistics.median(r['seconds'] for r in results):.0f} s each; the A/A "
+            f"canary's ITL over its controls' at the end (Hodges-Lehmann): median {statistics.median(ratios):.3f}, "
+            f"range {min(ratios):.3f}-{max(ratios):.3f}; TTFT tolerance {args.ttft_tolerance:.0%}, errors margin "
+            f"{canaryload.ERROR_MARGIN:.0%}; median canary ITL {statistics.median(r['canary_itl_ms'] for r in results):.0f} ms")
+
+
 def table(results: list[dict], tolerances: list[float], args) -> str:
     lines = [f"| ITL tolerance | A/A pass / fail / inconclusive | false rollbacks (by metric) | seeded x{args.seeded:g}: "
-             "pass / fail / inconclusive | detected | median canary requests at the verdict (A/A, seeded) |",
-             "|---:|---|---:|---|---:|---|"]
+             "pass / fail / inconclusive | detected | median canary requests at the verdict (A/A, seeded) | "
+             "median seconds to the verdict (A/A, seeded) |",
+             "|---:|---|---:|---|---:|---|---|"]
     n = len(results)
     for tol in tolerances:
         counts = {}
         for arm in ARMS:
             outcomes = [r["decided"][f"{arm}@{tol:g}"] for r in results]
             counts[arm] = ([sum(o["outcome"] == k for o in outcomes) for k in ("pass", "fail", "inconclusive")],
-                           statistics.median(o["points"] for o in outcomes))
-        (aa, aa_len), (seeded, seeded_len) = counts["aa"], counts["seeded"]
+                           statistics.median(o["points"] for o in outcomes),
+                           statistics.median(o["seconds"] for o in outcomes))
+        (aa, aa_len, aa_s), (seeded, seeded_len, seeded_s) = counts["aa"], counts["seeded"]
         by_metric = {}
         for r in results:
             for name in r["decided"][f"aa@{tol:g}"]["failed"]:
                 by_metric[name] = by_metric.get(name, 0) + 1
         why = f" ({', '.join(f'{k} {v}' for k, v in sorted(by_metric.items()))})" if by_metric else ""
         lines.append(f"| {tol:.0%} | {aa[0]} / {aa[1]} / {aa[2]} | {aa[1] / n:.1%}{why} | {seeded[0]} / {seeded[1]} / "
-                     f"{seeded[2]} | {seeded[1] / n:.1%} | {aa_len:g}, {seeded_len:g} |")
+                     f"{seeded[2]} | {seeded[1] / n:.1%} | {aa_len:g}, {seeded_len:g} | {aa_s:.0f}, {seeded_s:.0f} |")
     return "\n".join(lines)
 
 
@@ -199,8 +212,16 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=600.0, help="one analysis's time budget")
     parser.add_argument("--max-minutes", type=float, default=90.0, help="no analysis starts after this")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--table-from", type=Path, nargs="+", metavar="JSON",
+                        help="print the table of earlier runs' --json files (their analyses pooled); run nothing")
     args = parser.parse_args()
     tolerances = [float(t) for t in args.itl_tolerances.split(",")]
+    if args.table_from:
+        runs = [json.loads(path.read_text()) for path in args.table_from]
+        results = [r for run in runs for r in run["results"]]
+        print(summary_line(results, args))
+        print(table(results, tolerances, args))
+        return
     binary = llamatools.find_tool("llama-server")
     if not binary:
         raise SystemExit("llama-server not found (fleettune tools build)")
@@ -240,11 +261,7 @@ def main() -> None:
                 proc.kill()
     if not results:
         return
-    lengths = [r["seconds"] for r in results]
-    print(f"\n{len(results)} analyses in {(time.monotonic() - t0) / 60:.1f} min (median {statistics.median(lengths):.0f} s "
-          f"each); final A/A ITL ratio median {statistics.median(r['final_itl_ratio'] for r in results):.3f}, range "
-          f"{min(r['final_itl_ratio'] for r in results):.3f}-{max(r['final_itl_ratio'] for r in results):.3f}; "
-          f"TTFT tolerance {args.ttft_tolerance:.0%}, errors margin {canaryload.ERROR_MARGIN:.0%}\n")
+    print(f"\n{len(results)} analyses in {(time.monotonic() - t0) / 60:.1f} min; " + summary_line(results, args) + "\n")
     print(table(results, tolerances, args))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "cpu": cpu_name(),
