@@ -1,7 +1,7 @@
 """Serving end to end: three real serving nodes (raylets of the session's Ray cluster, each serving
 SmolLM2 through its own `fleettune serve` on loopback) under a steady, bounded request loop from the
-`openai` client. Recommendations for tg, pp and e2e roll out (judged on served traffic, no spurious
-rollback), one is rolled back by hand, an operator's regression (one thread, batch 1) is detected by
+`openai` client. Recommendations for tg and pp roll out (each judged on served traffic in its own
+objective, no spurious rollback), the second is rolled back by hand, an operator's regression (one thread, batch 1) is detected by
 the canary analysis and rolled back within 60 s of its apply; no request fails, and every node ends
 serving exactly what the rollout history says."""
 
@@ -38,6 +38,8 @@ WORKLOAD = Workload(n_prompt=256, n_gen=8, reps=1)
 # Between noise and the regression, from the four runs' records (docs/serving.md): recommendations
 # came out at 0.82-2.42 of their control group (medians), the one-thread batch-1 pin at 0.45-0.56
 TOLERANCE = 0.3
+TEST_TIMEOUT_S = 1800  # two studies and four rollouts on real servers (CI: about 20 minutes)
+LOOP_MAX_S = TEST_TIMEOUT_S - 60
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +73,12 @@ def serving_fleet(ray_cluster, local_fingerprint, model_path, tmp_path_factory):
             nodeconfig.write(node_id, None)
 
 
-@pytest.mark.timeout(1800)  # three real studies and five rollouts on real servers
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_fleet, model_info, sqlite_url):
     chip_key, nodes, statuses = serving_fleet
     t0 = time.monotonic()
     db = open_database(sqlite_url)
-    for objective in ("tg", "pp", "e2e"):
+    for objective in ("tg", "pp"):
         tune(db, StudyConfig(model=model_info, objective=objective, n_trials=1, seed=1, confirm_top=1,
                              workload=WORKLOAD), chip_key=chip_key, warm=False)
 
@@ -91,10 +93,11 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
               f"{rows[0]['rollout_state']}", *(json.dumps(r["analysis"]) for r in rows), sep="\n  ")
         return rollout_id, rows[0]["rollout_state"], rows
 
-    with RoundRobinLoop(statuses) as loop:
+    # bounded by the test's own time limit: the loop must outlast every rollout below
+    with RoundRobinLoop(statuses, max_s=LOOP_MAX_S) as loop:
         wait_until(lambda: loop.ok >= 3, timeout=120)
         promoted = {}
-        for objective in ("tg", "pp", "e2e"):  # each judged in its own objective: no spurious rollback
+        for objective in ("tg", "pp"):  # each judged in its own objective: no spurious rollback
             rollout_id, state, rows = start(objective)
             canary = next(r for r in rows if r["stage"] == 0)
             assert state == "promoted", [(r["state"], r["reason"], r["analysis"]) for r in rows]
@@ -103,16 +106,16 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
             wait_until(lambda r=rollout_id: served_versions() == [r] * 3, timeout=180)
             promoted[objective] = rollout_id
 
-        done = ro.rollback(db, promoted["e2e"])  # by hand: every node back to the pp config
+        done = ro.rollback(db, promoted["pp"])  # by hand: every node back to the tg config
         assert (done.restored, done.pending) == (3, 0)
-        wait_until(lambda: served_versions() == [promoted["pp"]] * 3, timeout=180)
+        wait_until(lambda: served_versions() == [promoted["tg"]] * 3, timeout=180)
 
         regression, state, rows = start("pp", pin="-t 1 -tb 1 -b 1 -ub 1")  # one thread, batch 1
         assert state == "rolled_back", [(r["state"], r["reason"], r["analysis"]) for r in rows]
         canary = next(r for r in rows if r["stage"] == 0)
         assert "slower by more than" in canary["reason"] or "expected at least" in canary["reason"]
         assert canary["analysis"]["rate"] < canary["analysis"]["control_rate"] * (1 - TOLERANCE)
-        wait_until(lambda: served_versions() == [promoted["pp"]] * 3, timeout=180)
+        wait_until(lambda: served_versions() == [promoted["tg"]] * 3, timeout=180)
         before = loop.ok
         wait_until(lambda: loop.ok >= before + 3, timeout=120)
     assert loop.failures == [] and loop.ok > 20
@@ -122,7 +125,7 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
         intent_at = min(n.intent_at for n in repo.rollout_nodes(s, regression) if n.intent_at)
         assert (rollout.updated_at - intent_at).total_seconds() < 60
         current = repo.current_chip_configs(s, model_info.sha256)[chip_key]
-    assert current["version"] == promoted["pp"]  # what the history says the chip runs ...
+    assert current["version"] == promoted["tg"]  # what the history says the chip runs ...
     assert [nodeconfig.read(n) for n in nodes] == [current] * 3  # ... is each node's config
     assert served_versions() == [current["version"]] * 3  # ... and what each node serves
     assert all(serve.read_status(n)["params"] == current["params"] for n in nodes)
