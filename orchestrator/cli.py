@@ -564,7 +564,7 @@ def served_load_text(load: ServedWorkload) -> str:
 
 
 def _outcome_record(outcome, cfg) -> dict:
-    from orchestrator.learn import LLAMA_CPP_PYTHON
+    from orchestrator.learn import FIT, LLAMA_CPP_PYTHON
     from orchestrator.report import claim_fields, config_forms
 
     rec = outcome.recommendation
@@ -605,11 +605,12 @@ def _outcome_record(outcome, cfg) -> dict:
             if name == LLAMA_CPP_PYTHON:
                 continue  # llama-cpp-python's: the baseline_* keys above
             gain = rec.improvement_over(name)
+            key = "fit" if name == FIT else "llama_cpp"  # issue 23.3: --fit's placement beside the defaults
             record.update({
-                **config_forms(params, str(cfg.objective), "llama_cpp_baseline_"),
-                f"llama_cpp_baseline_{cfg.objective}_tps": round(rec.baselines[name], 3)
+                **config_forms(params, str(cfg.objective), f"{key}_baseline_"),
+                f"{key}_baseline_{cfg.objective}_tps": round(rec.baselines[name], 3)
                 if name in rec.baselines else None,
-                "improvement_llama_cpp": f"{gain:+.1%}" if gain is not None else None,
+                f"improvement_{key}": f"{gain:+.1%}" if gain is not None else None,
             })
     return record
 
@@ -681,7 +682,7 @@ BEST_COLUMNS = [
 
 
 # what a study claims, printed under each recommendation (issue 20.3)
-CLAIM_LINES = (("outcome", "outcome"), ("vs_llama_cpp", "vs llama.cpp's defaults"),
+CLAIM_LINES = (("outcome", "outcome"), ("vs_llama_cpp", "vs llama.cpp's defaults"), ("vs_fit", "vs llama.cpp's --fit"),
                ("vs_llama_cpp_python", "vs llama-cpp-python's defaults"),
                ("vs_single_stream", "vs the single-stream recommendation"), ("noise_aa", "noise (A/A)"),
                ("kl_divergence", "KL divergence vs f16 cache"))

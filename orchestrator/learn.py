@@ -81,8 +81,18 @@ def identity(params: BenchParams, effective: dict | None) -> str:
 LLAMA_CPP_PYTHON = "llama-cpp-python defaults"
 LLAMA_CPP = "llama.cpp defaults"  # in a served study: llama-server's own defaults
 SINGLE_STREAM = "single-stream recommendation"  # a served study's: the chip's tg recommendation, served as it is
-OTHER_BASELINES = (LLAMA_CPP_PYTHON, SINGLE_STREAM)  # beside llama.cpp's defaults; a study has at most one
-NOISE_ARM = "llama.cpp defaults (A/A)"  # the same configuration measured twice a round: the noise
+# issue 23.3: llama.cpp's --fit placement for the study's GPU budget, where llama.cpp's plain defaults
+# (every layer on the GPU) do not fit it; where they fit, --fit changes nothing and it is not measured
+FIT = "llama.cpp --fit"
+OTHER_BASELINES = (LLAMA_CPP_PYTHON, SINGLE_STREAM, FIT)  # beside llama.cpp's defaults
+# the reference of the claims: llama.cpp's defaults, or --fit's placement where the defaults failed
+REFERENCES = (LLAMA_CPP, FIT)
+def noise_arm(reference: str) -> str:
+    """The A/A arm: the reference measured a second time each round, the machine's own noise."""
+    return f"{reference} (A/A)"
+
+
+NOISE_ARM = noise_arm(LLAMA_CPP)
 WARMUP_ARM = "warm-up"  # measured before the first round, not counted
 CANDIDATE = "candidate "  # arms "candidate 1", "candidate 2", ...
 # a confirmation after more search is a new one: its rounds are numbered from the next multiple of
@@ -109,8 +119,9 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
             continue
         arms.setdefault(r.confirm_arm, r.params)
         rounds.setdefault(r.confirm_round, {})[r.confirm_arm] = trial_rate(r.samples, target, n_prompt, n_gen)
-    if LLAMA_CPP not in arms or not any(values.get(LLAMA_CPP) is not None for values in rounds.values()):
-        return None  # llama.cpp's defaults never ran here: nothing to claim against
+    reference = reference_arm(rounds)
+    if reference is None:
+        return None  # neither llama.cpp's defaults nor its --fit ran here: nothing to claim against
     order = sorted(rounds)
 
     def interval(a: str, b: str):
@@ -121,31 +132,65 @@ def paired_claims(records: list[TrialRecord], target: Objective, n_prompt: int, 
                 "verdict": ri.verdict.value, "text": ri.describe()}
 
     candidates = sorted((a for a in arms if a.startswith(CANDIDATE)), key=lambda a: int(a.split()[-1]))
-    ranked = sorted(((interval(a, LLAMA_CPP), a) for a in candidates),
+    ranked = sorted(((interval(a, reference), a) for a in candidates),
                     key=lambda item: -math.inf if math.isnan(item[0].ratio) else item[0].ratio, reverse=True)
     best = ranked[0] if ranked else None
-    winner = best[1] if best and best[0].verdict is Verdict.FASTER else LLAMA_CPP
+    winner = best[1] if best and best[0].verdict is Verdict.FASTER else reference
     for other in OTHER_BASELINES:
-        if other in arms and interval(other, winner).verdict is Verdict.FASTER:
-            winner = other  # never measurably slower than either baseline (rule 20.3)
-    claims: dict = {"winner": winner, "rounds": len(order), "params": arms[winner].to_dict(), "vs": {}}
+        if other in arms and other != reference and interval(other, winner).verdict is Verdict.FASTER:
+            winner = other  # never measurably slower than any baseline (rule 20.3)
+    claims: dict = {"winner": winner, "reference": reference, "rounds": len(order), "params": arms[winner].to_dict(),
+                    "vs": {}}
     for name in (*OTHER_BASELINES, LLAMA_CPP):
-        if name in arms and name != winner:
+        if name in arms and name != winner and any(values.get(name) is not None for values in rounds.values()):
             claims["vs"][name] = as_dict(interval(winner, name))
     if best is not None:
         claims["best_candidate"] = {"arm": best[1], "params": arms[best[1]].to_dict(), **as_dict(best[0])}
-    if NOISE_ARM in arms:
-        claims["noise"] = as_dict(interval(NOISE_ARM, LLAMA_CPP))
-    if winner in OTHER_BASELINES:
-        shown = "llama-cpp-python's defaults" if winner == LLAMA_CPP_PYTHON else "the single-stream recommendation"
-        claims["outcome"] = f"{shown}: {claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
-    elif winner != LLAMA_CPP:
-        claims["outcome"] = f"{claims['vs'][LLAMA_CPP]['text']} over llama.cpp's defaults"
+    if noise_arm(reference) in arms:
+        claims["noise"] = as_dict(interval(noise_arm(reference), reference))
+    over = REFERENCE_TEXT[reference]
+    if winner != reference and winner in BASELINE_TEXT:
+        claims["outcome"] = f"{BASELINE_TEXT[winner]}: {claims['vs'][reference]['text']} over {over}"
+    elif winner != reference:
+        claims["outcome"] = f"{claims['vs'][reference]['text']} over {over}"
     elif best is not None and best[0].verdict is Verdict.SLOWER:
-        claims["outcome"] = "llama.cpp's defaults: every candidate was slower"
+        claims["outcome"] = f"{over}: every candidate was slower"
     else:
-        claims["outcome"] = "no measurable difference from llama.cpp's defaults"
+        claims["outcome"] = f"no measurable difference from {over}"
     return claims
+
+
+REFERENCE_TEXT = {LLAMA_CPP: "llama.cpp's defaults", FIT: "llama.cpp's --fit"}
+BASELINE_TEXT = {LLAMA_CPP_PYTHON: "llama-cpp-python's defaults", SINGLE_STREAM: "the single-stream recommendation",
+                 FIT: "llama.cpp's --fit"}
+
+
+def stored_baselines(baseline_trials: list, served: bool = False) -> dict[str, BenchParams]:
+    """A study's baselines by name, from its ``baseline`` trials (records or rows with ``params``
+    and ``confirm_arm``): each trial names its baseline; trials stored before they did are named
+    by the study's order (llama-cpp-python's defaults, then llama.cpp's; a served study's:
+    llama-server's defaults, then the single-stream recommendation)."""
+    named: dict[str, BenchParams] = {}
+    unnamed: dict[str, BenchParams] = {}
+    for trial in baseline_trials:
+        params = trial.params if isinstance(trial.params, BenchParams) else BenchParams.from_dict(trial.params)
+        if trial.confirm_arm:
+            named.setdefault(trial.confirm_arm, params)
+        else:
+            unnamed.setdefault(config_key(params), params)
+    if named:
+        return named
+    order = (LLAMA_CPP, SINGLE_STREAM) if served else (LLAMA_CPP_PYTHON, LLAMA_CPP)
+    return dict(zip(order, unnamed.values(), strict=False))
+
+
+def reference_arm(rounds: dict[int, dict[str, float | None]]) -> str | None:
+    """The baseline the claims are made against: llama.cpp's defaults where they ran in some round,
+    else --fit's placement (the defaults did not fit the GPU budget, issue 23.3), else None."""
+    for name in REFERENCES:
+        if any(values.get(name) is not None for values in rounds.values()):
+            return name
+    return None
 
 
 def _number(value: float) -> float | None:
@@ -198,11 +243,8 @@ def recommend(
         return {**spread, "pp": pp_med, "tg": tg_med} if spread else None
 
     baseline_group = [r for r in records if r.phase == "baseline"]
-    if baselines is None:  # the study's order: llama-cpp-python's defaults, then llama.cpp's (a served
-        # study's: llama-server's defaults, then the single-stream recommendation)
-        distinct = list({config_key(r.params): r.params for r in baseline_group}.values())
-        order = (LLAMA_CPP, SINGLE_STREAM) if target.served else (LLAMA_CPP_PYTHON, LLAMA_CPP)
-        baselines = dict(zip(order, distinct, strict=False))
+    if baselines is None:
+        baselines = stored_baselines(baseline_group, target.served)
     baseline_keys = {name: asked.get(config_key(params), config_key(params)) for name, params in baselines.items()}
     for key in baseline_keys.values():  # a measured baseline always competes
         if key in by_config and by_config[key] not in candidates:

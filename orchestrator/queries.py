@@ -95,8 +95,15 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
             if learn.LLAMA_CPP in paired:  # the paired rounds' ratio (issue 20.3; None: unbounded)
                 ratio = paired[learn.LLAMA_CPP]["ratio"]
                 vs_llama_cpp = ratio - 1 if ratio is not None else None
-            elif rec.claims:  # the recommendation is llama.cpp's defaults
+            elif rec.claims and rec.claims.get("winner") == learn.LLAMA_CPP:  # llama.cpp's defaults recommended
                 vs_llama_cpp = 0.0
+            elif rec.claims:  # llama.cpp's defaults failed (over the GPU budget, issue 23.3): no figure
+                vs_llama_cpp = None
+            vs_fit = None
+            if learn.FIT in paired and paired[learn.FIT]["ratio"] is not None:
+                vs_fit = paired[learn.FIT]["ratio"] - 1
+            elif (rec.claims or {}).get("winner") == learn.FIT:  # --fit's placement recommended
+                vs_fit = 0.0
             rows.append({
                 "chip": rec.chip.key,
                 "model": rec.model.name,
@@ -110,6 +117,7 @@ def best_rows(db: Database, model_ref: str, chip: str | None, objective: str | N
                 "baselines": baselines,
                 "improvement_llama_cpp": vs_llama_cpp,
                 "improvement_llama_cpp_pct": f"{vs_llama_cpp:+.0%}" if vs_llama_cpp is not None else None,
+                "improvement_fit": vs_fit,  # over llama.cpp's --fit under the GPU budget (issue 23.3)
                 "expected_tps": rec.expected_tps,
                 "interval": [rec.interval_low, rec.interval_high],
                 "pp_tps": rec.expected_pp_tps,

@@ -392,16 +392,20 @@ def claim_fields(claims: dict | None) -> dict:
     """What a study claims, as printed by ``tune``, ``best`` and stored with the recommendation
     (issue 20.3): the outcome, the ratio over each baseline with its interval from the paired
     rounds, the A/A noise, and the KL divergence of a lossy recommendation (issue 20.4)."""
-    from orchestrator.learn import LLAMA_CPP, LLAMA_CPP_PYTHON, SINGLE_STREAM
+    from orchestrator.learn import FIT, LLAMA_CPP, LLAMA_CPP_PYTHON, SINGLE_STREAM
 
     if not claims:
         return {}
     vs = claims.get("vs", {})
     out = {"outcome": claims.get("outcome"), "confirm_rounds": claims.get("rounds")}
+    reference = claims.get("reference", LLAMA_CPP)
+    shown = "vs_fit" if reference == FIT else "vs_llama_cpp"
     if LLAMA_CPP in vs:
         out["vs_llama_cpp"] = vs[LLAMA_CPP]["text"]
-    elif "best_candidate" in claims:
-        out["vs_llama_cpp"] = f"best candidate: {claims['best_candidate']['text']}"
+    if FIT in vs:  # issue 23.3: llama.cpp's --fit placement under the study's GPU budget
+        out["vs_fit"] = vs[FIT]["text"]
+    if shown not in out and "best_candidate" in claims:
+        out[shown] = f"best candidate: {claims['best_candidate']['text']}"
     if LLAMA_CPP_PYTHON in vs:
         out["vs_llama_cpp_python"] = vs[LLAMA_CPP_PYTHON]["text"]
     if SINGLE_STREAM in vs:  # a served study's (issue 22.5)

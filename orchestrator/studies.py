@@ -273,8 +273,9 @@ class Job:
     losses: int = 0
     row_id: int | None = None
     settled: bool = False
-    arm: str | None = None  # the interleaved confirmation's arm and round (issue 20.2)
+    arm: str | None = None  # a baseline's name; the interleaved confirmation's arm and round (issue 20.2)
     round: int | None = None
+    refused: str | None = None  # why it may not be loaded (issue 23.1): failed with this, never dispatched
 
 
 class JobSource(Protocol):
@@ -321,14 +322,17 @@ class _Counted:
 
 
 class FixedJobs(_Counted):
-    """A fixed list of configurations (the baseline, the confirmation). A job lost with its node
-    runs again on any node of the chip, at most ``MAX_NODE_LOSSES`` times."""
+    """A fixed list of named configurations (the baselines). A job lost with its node runs again on
+    any node of the chip, at most ``MAX_NODE_LOSSES`` times; one that ``refuse`` says may not be
+    loaded (issue 23.1: over the GPU budget) is failed with that reason, never dispatched."""
 
-    def __init__(self, phase: str, jobs: list[tuple[BenchParams, str | None]], alive: Callable[[], list[str]]):
+    def __init__(self, phase: str, jobs: list[tuple[str, BenchParams]], alive: Callable[[], list[str]],
+                 refuse: Callable[[BenchParams], str | None] | None = None):
         self.phase = phase
-        self.pending = [Job(phase, params, node) for params, node in jobs]
+        self.pending = [Job(phase, params, arm=name) for name, params in jobs]
         self.total = len(self.pending)
         self.alive = alive
+        self.refuse = refuse or (lambda params: None)
         self._done = self._failed = 0
 
     def take(self, n: int) -> list[Job]:
@@ -338,6 +342,7 @@ class FixedJobs(_Counted):
             for job in batch:  # a job pinned to a node that is gone runs on any node of the chip
                 if job.node not in alive:
                     job.node = None
+                job.refused = self.refuse(job.params)
         return batch
 
     def ahead(self, running: int) -> bool:
@@ -346,7 +351,7 @@ class FixedJobs(_Counted):
     def settle(self, job: Job, finished: repo.FinishedTrial) -> None:
         job.settled = True
         if finished.result.kind is FailureKind.NODE_LOST and job.losses + 1 < MAX_NODE_LOSSES:
-            self.pending.append(Job(self.phase, job.params, None, losses=job.losses + 1))
+            self.pending.append(Job(self.phase, job.params, None, losses=job.losses + 1, arm=job.arm))
         elif finished.objective_value is None:
             self._failed += 1
         else:
@@ -530,10 +535,12 @@ class ConfirmRounds(_Counted):
         names = [name for name, _ in self.arms]
         candidates = [n for n in names if n.startswith(learn.CANDIDATE)]
         baselines = [n for n in (*learn.OTHER_BASELINES, learn.LLAMA_CPP) if n in names]
+        reference = learn.reference_arm(self.values) or names[0]
         if not candidates:
-            pairs = [(learn.NOISE_ARM, learn.LLAMA_CPP)] if learn.NOISE_ARM in names else []
+            noise = learn.noise_arm(reference)
+            pairs = [(noise, reference)] if noise in names else []
         else:
-            best = max(candidates, key=lambda a: _ranked(interval(a, learn.LLAMA_CPP).ratio))
+            best = max(candidates, key=lambda a: _ranked(interval(a, reference).ratio))
             pairs = [(best, b) for b in baselines]
         return all(interval(a, b).half_width <= CONFIRM_HALF_WIDTH for a, b in pairs)
 
@@ -679,6 +686,9 @@ class StudyRunner:
             space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
                                            moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy,
                                            gpu_budget=budget)
+            fitted = self._fit_baseline(budget)
+            if fitted is not None:
+                self.baselines[learn.FIT] = fitted
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
@@ -704,6 +714,21 @@ class StudyRunner:
                 return None
             params = BenchParams.from_dict(recs[0].params)
         return replace(params, **{name: None for name in SERVER_FIELDS})
+
+    def _fit_baseline(self, budget: int | None) -> BenchParams | None:
+        """llama.cpp's ``--fit`` placement of its defaults for the study's GPU budget (the user's, or
+        the GPU's working set), where the defaults do not fit it (issue 23.3); None where they fit
+        (--fit changes nothing: one configuration, measured once) or the node has no GPU. The
+        placement is ``placement.fit``: llama.cpp's common/fit.cpp on fleettune's estimate."""
+        fp, w = self.target.fingerprint, self.cfg.workload
+        room = budget or placement.gpu_working_set(fp)
+        if not fp.gpu_offload or not room:
+            return None
+        defaults = self.baselines[learn.LLAMA_CPP]
+        fitted = placement.fit(self.cfg.model, defaults, w.depth + w.n_prompt + w.n_gen, room)
+        if fitted is None:  # not even one layer fits: everything on the CPU
+            fitted = replace(defaults, n_gpu_layers=0, n_cpu_moe=0)
+        return None if learn.config_key(fitted) == learn.config_key(defaults) else fitted
 
     def _study_rows(self, space: SearchSpace):
         """Create or take over the study's row; returns the row that existed, if one did."""
@@ -798,7 +823,7 @@ class StudyRunner:
             reference = full_offload(fp, self.cfg.model, self.space)
             compact = compact_cache(defaults, self.space) if w.depth else None
             prediction = predicted_optimum(fp, self.cfg.model, w.n_prompt, w.n_gen, w.depth, self.objective)
-            starts = [reference, defaults, compact, prediction]
+            starts = [reference, defaults, self.baselines.get(learn.FIT), compact, prediction]
         seen = set()
         for params in [p for p in (*starts, *self.cfg.warm_start) if p is not None]:
             values = self.space.optuna_params(self.space.clip(params))
@@ -863,9 +888,12 @@ class StudyRunner:
         try:
             measured = {learn.config_key(BenchParams.from_dict(r.params))
                         for r in self._phase_trials("baseline", complete_only=True)}
-            missing = [(p, None) for p in self.baselines.values() if learn.config_key(p) not in measured]
+            tried = {learn.config_key(BenchParams.from_dict(r.params)) for r in self._phase_trials("baseline")
+                     if r.failure_kind in (FailureKind.OVER_BUDGET.value, FailureKind.OUT_OF_MEMORY.value)}  # not again
+            missing = [(name, p) for name, p in self.baselines.items()
+                       if learn.config_key(p) not in measured | tried]
             if missing:  # a study resumed from before the second baseline measures it now
-                self._drive(FixedJobs("baseline", missing, self.alive_nodes))
+                self._drive(FixedJobs("baseline", missing, self.alive_nodes, refuse=self._refusal))
             self._drive(SamplerJobs(self.optuna_study, self.space, self.budget, *self._search_memory(),
                                     refuse=self._refusal))
             confirm = self._confirm_rounds()
@@ -1046,10 +1074,21 @@ class StudyRunner:
                 # store: the last round's results and the new jobs' rows, in one transaction
                 self._store([f for _, f in collected], jobs)
                 collected = []
-                # dispatch
+                # dispatch (a job that may not be loaded fails here, with its reason)
                 for job in jobs:
+                    if job.refused:
+                        refused = TrialResult.failure(f"{job.phase}-{job.row_id}", job.refused,
+                                                      FailureKind.OVER_BUDGET, simulated=self.target.simulated)
+                        finished = repo.FinishedTrial(job.row_id, refused, None, None, None)
+                        collected.append((job, finished))
+                        source.settle(job, finished)
+                        continue
                     inflight[self.dispatcher.submit(self._spec(job), self.target.key, job.node)] = job
                 if not inflight:
+                    if collected:
+                        self._store([f for _, f in collected], [])
+                        collected = []
+                        continue  # the source may have more
                     return
                 self._emit(source, inflight)
                 # while no result is in, propose ahead for the next nodes to finish
@@ -1150,9 +1189,15 @@ class StudyRunner:
                 continue
             taken.add(key)
             candidates.append((f"{learn.CANDIDATE}{len(candidates) + 1}", decided))
-        defaults = self.baselines[learn.LLAMA_CPP]
-        others = [(name, params) for name, params in self.baselines.items() if name != learn.LLAMA_CPP]
-        return [(learn.LLAMA_CPP, defaults), *candidates, *others, (learn.NOISE_ARM, defaults)]
+        baseline_rows = [r for r in records if r.phase == "baseline"]
+        named = list(self.baselines.items())
+        if baseline_rows and all(r.confirm_arm for r in baseline_rows):  # each row names its baseline
+            measured = {r.confirm_arm for r in baseline_rows if r.trial_id in values}
+            named = [(name, params) for name, params in named if name in measured]  # failed ones (over the budget) not
+        reference = next((n for n in learn.REFERENCES if n in dict(named)), learn.LLAMA_CPP)
+        reference_params = dict(named).get(reference, self.baselines[learn.LLAMA_CPP])
+        others = [(name, params) for name, params in named if name != reference]
+        return [(reference, reference_params), *candidates, *others, (learn.noise_arm(reference), reference_params)]
 
     def _confirm_rounds(self) -> ConfirmRounds | None:
         """The confirmation's source. A study resumed during its confirmation keeps its arms and

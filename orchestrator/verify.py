@@ -1,7 +1,7 @@
 """``fleettune verify``: a study's claims refereed by llama.cpp's own llama-bench (issue 20 item 7).
 
-The study's recommendation and both baselines (llama-cpp-python's defaults, llama.cpp's defaults,
-as the study measured them) are measured again by llama-bench on this machine, in interleaved
+The study's recommendation and its baselines (llama-cpp-python's defaults, llama.cpp's defaults,
+and under a GPU budget llama.cpp's --fit placement, as the study measured them) are measured again by llama-bench on this machine, in interleaved
 rounds whose order rotates (A B C, B C A, C A B, ...) so that time and position touch each alike,
 ``-r`` repetitions each, at the study's workload (``-p/-n/-d``). Each round gives one rate per
 configuration in the study's objective; the ratio of the recommendation over each baseline comes
@@ -112,11 +112,9 @@ def plan(db: Database, study_name: str, reps: int | None = None) -> VerifyPlan:
         if not recs:
             raise BadInput(f"study {study_name!r} has no recommendation (not finished?)")
         rec = recs[0]
-        distinct: dict[str, BenchParams] = {}
-        for trial in repo.study_trials(s, study.id, phase="baseline"):  # the study's order (learn.recommend)
-            params = BenchParams.from_dict(trial.params)
-            distinct.setdefault(learn.config_key(params), params)
-        baselines = dict(zip((learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP), distinct.values(), strict=False))
+        baselines = learn.stored_baselines(repo.study_trials(s, study.id, phase="baseline"), bool(study.served))
+        if rec.baselines:  # a baseline the study could not measure (over its GPU budget) is not refereed
+            baselines = {name: params for name, params in baselines.items() if name in rec.baselines}
         claims = _claims(rec)
         if not study.model.path:
             raise BadInput(f"study {study_name!r}'s model has no file path on record")
@@ -171,8 +169,9 @@ def _claims(rec) -> dict[str, dict]:
     a recommendation stored before claims had intervals gives its point ratio alone."""
     claims = rec.claims or {}
     paired = dict(claims.get("vs") or {})
-    if learn.LLAMA_CPP not in paired and claims.get("winner") == learn.LLAMA_CPP and claims.get("noise"):
-        paired[learn.LLAMA_CPP] = claims["noise"]  # llama.cpp's defaults recommended: 1, within the A/A noise
+    reference = claims.get("reference", learn.LLAMA_CPP)  # llama.cpp's defaults, or its --fit (issue 23.3)
+    if reference not in paired and claims.get("winner") == reference and claims.get("noise"):
+        paired[reference] = claims["noise"]  # the reference recommended: 1, within the A/A noise
     out = {name: {k: paired[name].get(k) for k in ("ratio", "low", "high", "text")} for name in paired}
     for name, value in (rec.baselines or {}).items():
         if name not in out and value:

@@ -334,3 +334,26 @@ def test_kl_divergence_of_a_quantized_cache_against_f16(model_info):
     assert kl8.kl_divergence is not None and kl4.kl_divergence is not None
     assert 0 < kl8.kl_divergence < kl4.kl_divergence < 1 and math.isfinite(kl4.kl_divergence)
     assert BenchParams.from_dict(kl4.effective).type_k == "q4_0"
+
+
+def test_baseline_trials_name_their_baseline_and_older_ones_are_named_by_order():
+    """Issue 23.3 added a third baseline: each baseline trial now names its baseline; trials of
+    studies stored before they did are named by the order the study measured them in."""
+    a, b, c = BenchParams(0, 6, 512, 512), BenchParams(33, 8, 512, 512), BenchParams(20, 8, 512, 512)
+
+    def record(params, arm):
+        return learn.TrialRecord(1, "baseline", params, (), True, confirm_arm=arm)
+
+    named = [record(a, learn.LLAMA_CPP_PYTHON), record(b, learn.LLAMA_CPP), record(c, learn.FIT)]
+    assert learn.stored_baselines(named) == {learn.LLAMA_CPP_PYTHON: a, learn.LLAMA_CPP: b, learn.FIT: c}
+    legacy = [record(a, None), record(b, None), record(a, None)]
+    assert learn.stored_baselines(legacy) == {learn.LLAMA_CPP_PYTHON: a, learn.LLAMA_CPP: b}
+    assert learn.stored_baselines(legacy[:2], served=True) == {learn.LLAMA_CPP: a, learn.SINGLE_STREAM: b}
+
+
+def test_the_reference_is_fit_only_where_llama_cpps_defaults_never_ran():
+    rounds = {1: {learn.LLAMA_CPP: None, learn.FIT: 10.0}, 2: {learn.LLAMA_CPP: None, learn.FIT: 11.0}}
+    assert learn.reference_arm(rounds) == learn.FIT
+    rounds[2][learn.LLAMA_CPP] = 12.0
+    assert learn.reference_arm(rounds) == learn.LLAMA_CPP
+    assert learn.reference_arm({1: {"candidate 1": 3.0}}) is None

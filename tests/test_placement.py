@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 from click.testing import CliRunner
 
+from orchestrator import learn
 from orchestrator.cli import main
 from orchestrator.db import open_database, repo
 from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
@@ -164,12 +165,52 @@ def test_a_simulated_16gb_mac_places_a_moe_that_does_not_fit_and_beats_fit(sqlit
     with run.db.session() as s:
         measured = [r for r in repo.study_trials(s, run.study_id) if r.state == "complete"]
     assert all(r.gpu_bytes <= working_set for r in measured)
-    best = outcome.recommendation.params
-    assert best.n_cpu_moe > 0 and best.n_gpu_layers > 0  # its experts placed: some on each side
+    rec = outcome.recommendation
+    best = rec.params
+    split = 0 < best.n_gpu_layers <= shape.n_layer or best.n_cpu_moe > 0
+    assert best.n_gpu_layers > 0 and split  # the model placed: some of it on each side
     fitted = placement.fit(shape, llama_cpp_defaults(chip, model, 512), 640, working_set)
+    assert outcome.baselines[learn.FIT] == fitted  # issue 23.3: --fit's placement, measured beside the others
     ours, theirs = (simulated.predict(chip, shape, p, 512, 128).tg_tps for p in (best, fitted))
     print(f"recommendation {best.llama_cpp_flags()}: {ours:.2f} tok/s; --fit {fitted.llama_cpp_flags()}: {theirs:.2f}")
     assert ours >= theirs, (best, fitted, ours, theirs)
+    # llama.cpp's plain defaults do not fit: recorded as failed, not replaced; the claims are over --fit
+    with run.db.session() as s:
+        baselines = {r.confirm_arm: r for r in repo.study_trials(s, run.study_id, "baseline")}
+    assert baselines[learn.LLAMA_CPP].state == "failed" and "out of memory" in baselines[learn.LLAMA_CPP].error
+    assert baselines[learn.FIT].state == "complete"
+    assert rec.claims["reference"] == learn.FIT and learn.LLAMA_CPP not in rec.claims["vs"]
+    assert rec.claims["vs"][learn.FIT]["verdict"] == "faster" and "over llama.cpp's --fit" in rec.claims["outcome"]
+    assert rec.claims["noise"]["rounds"] >= 3  # the A/A arm is --fit's placement measured twice a round
+
+
+def test_llama_cpps_defaults_over_a_budget_are_refused_before_loading_and_fit_is_the_reference(sqlite_url):
+    """With --gpu-budget, llama.cpp's defaults (every layer) that do not fit are never loaded: one
+    failed baseline trial with the reason; llama.cpp's --fit for that budget is a baseline, and
+    every claim of the study is made against it (issue 23.3)."""
+    run = runner(sqlite_url, gpu_budget="4GiB", name="fitref")
+    outcome = run.run()
+    with run.db.session() as s:
+        baselines = {r.confirm_arm: r for r in repo.study_trials(s, run.study_id, "baseline")}
+        confirm_arms = {r.confirm_arm for r in repo.study_trials(s, run.study_id, "confirm")}
+    refused = baselines[learn.LLAMA_CPP]
+    assert refused.state == "failed" and refused.failure_kind == "over budget"
+    assert "over the GPU budget" in refused.error and refused.node_id is None  # never dispatched
+    fitted = outcome.baselines[learn.FIT]
+    assert 0 < fitted.n_gpu_layers < DENSE.n_layer  # as many whole layers as the budget holds
+    assert placement.gpu_need(DENSE, fitted, 640).total <= 4 * GIB - placement.FIT_MARGIN_BYTES
+    assert learn.LLAMA_CPP not in confirm_arms and {learn.FIT, learn.noise_arm(learn.FIT)} <= confirm_arms
+    claims = outcome.recommendation.claims
+    assert claims["reference"] == learn.FIT and learn.FIT in claims["vs"] or claims["winner"] == learn.FIT
+    result = CliRunner().invoke(main, ["best", "--model", DENSE.path, "--db", sqlite_url, "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_where_llama_cpps_defaults_fit_the_budget_fit_is_not_a_second_baseline(sqlite_url):
+    """--fit changes nothing where everything fits: one configuration, measured once."""
+    run = runner(sqlite_url, gpu_budget="16GiB", name="fits")
+    outcome = run.run()
+    assert learn.FIT not in outcome.baselines and outcome.recommendation.claims["reference"] == learn.LLAMA_CPP
 
 
 def test_a_resumed_study_keeps_its_budget_and_refuses_another(sqlite_url):

@@ -2,7 +2,7 @@
 SmolLM2 through its own `fleettune serve` on loopback) under a steady, bounded request loop from the
 `openai` client. Recommendations for tg and pp roll out (each judged on served traffic in its own
 objective, no spurious rollback), the second is rolled back by hand, an operator's regression (one thread, batch 1) is detected by
-the canary analysis and rolled back within 60 s of its apply; no request fails, and every node ends
+the canary analysis and rolled back within 90 s of its apply; no request fails, and every node ends
 serving exactly what the rollout history says."""
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ WORKLOAD = Workload(n_prompt=256, n_gen=8, reps=1)
 # Between noise and the regression, from the four runs' records (docs/serving.md): recommendations
 # came out at 0.82-2.42 of their control group (medians), the one-thread batch-1 pin at 0.45-0.56
 TOLERANCE = 0.3
+# The canary's verdict is Mann-Whitney's at 98 %: 3 rounds (3 canary against 6 control samples,
+# p >= 1/84) are the fewest that can show a regression, after the warm-up round; the one-thread
+# batch-1 canary takes 5-6 s a request at 256 prompt tokens. Measured here: 70 s from intent to
+# rollback with other work on both cores (the 3-round threshold judge it replaced took 23-30 s).
+DETECTED_WITHIN_S = 90
 TEST_TIMEOUT_S = 1800  # two studies and four rollouts on real servers (CI: about 20 minutes)
 LOOP_MAX_S = TEST_TIMEOUT_S - 60
 
@@ -120,10 +125,10 @@ def test_rollouts_rollback_and_a_regression_under_load_drop_nothing(serving_flee
         wait_until(lambda: loop.ok >= before + 3, timeout=120)
     assert loop.failures == [] and loop.ok > 20
 
-    with db.session() as s:  # detected and rolled back within 60 s of the canary's apply
+    with db.session() as s:  # detected and rolled back soon after the canary's apply
         rollout = repo.get_rollout(s, regression)
         intent_at = min(n.intent_at for n in repo.rollout_nodes(s, regression) if n.intent_at)
-        assert (rollout.updated_at - intent_at).total_seconds() < 60
+        assert (rollout.updated_at - intent_at).total_seconds() < DETECTED_WITHIN_S
         current = repo.current_chip_configs(s, model_info.sha256)[chip_key]
     assert current["version"] == promoted["tg"]  # what the history says the chip runs ...
     assert [nodeconfig.read(n) for n in nodes] == [current] * 3  # ... is each node's config

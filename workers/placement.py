@@ -114,7 +114,13 @@ def fit(shape: ModelInfo, params: BenchParams, n_ctx: int, budget: float,
     less ``margin``; else, for a mixture of experts, every layer offloaded with the experts of as
     few leading layers as it takes kept on the CPU (``n_cpu_moe``); else as many whole layers as
     fit (with every expert on the CPU for a mixture). None: not even one layer fits. Only the GPU
-    layers and ``n_cpu_moe`` are changed: --fit leaves every other knob as given."""
+    layers and ``n_cpu_moe`` are changed: --fit leaves every other knob as given.
+
+    Where llama.cpp differs: its fit fills layers front to back, so the experts it moves to the
+    CPU are the *last* layers' (``-ot blk.N.ffn_*_exps=CPU`` per layer, set_ngl_tensor_split_tbo),
+    and one layer may overflow only in part (its up, gate or attention tensors); ``n_cpu_moe`` keeps
+    the *first* layers' experts there. The count of expert bytes on each side is the same, which is
+    all this module's estimate and the simulator see."""
     target = budget - margin
     n_layer = shape.n_layer
 
