@@ -179,6 +179,18 @@ def test_recommend_names_an_m5_bin_from_the_chip_table(sqlite_url):
     assert row["source"] == "predicted (simulated)" and row["simulated"] is True and row["expected_tps"] > 0
 
 
+def test_sim_chips_lists_every_bin_with_its_basis():
+    rows = json.loads(CliRunner().invoke(main, ["sim", "chips", "--json"]).output)
+    assert len(rows) == len(chip_table()) and all(r["simulated"] for r in rows)
+    m5_max = next(r for r in rows if r["chip_key"] == "apple-m5-max-40g")
+    assert (m5_max["p_cores"], m5_max["m_cores"], m5_max["e_cores"], m5_max["basis"]) == (6, 12, 0, "modelled")
+    table = CliRunner().invoke(main, ["sim", "chips"]).output
+    assert "M5 Pro/16/24" in table and "no measurement" in table
+    predicted = json.loads(CliRunner().invoke(main, ["sim", "predict", "--chip", "M5 Max/40", "--model-shape",
+                                                     "llama2-7b", "--json"]).output)
+    assert predicted["basis"] == "modelled" and predicted["simulated"] is True
+
+
 # Figures the simulator gave before M5 was added (bench/sim_outputs.py at the parent commit), for
 # threads on efficiency cores and beyond the cores, where the thread model changed: exactly equal.
 BEFORE_M5 = [
