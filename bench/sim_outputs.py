@@ -9,6 +9,9 @@ expert layout. Floats are written with repr, so equal files mean equal values.
 
     python bench/sim_outputs.py /tmp/before.json   # then change the code
     python bench/sim_outputs.py /tmp/after.json && cmp /tmp/before.json /tmp/after.json
+
+A change that adds chip bins (M5) draws the random configurations of later chips differently: compare
+the bins that existed before with ``--generations M1,M2,M3,M4`` on the new code.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def pred(p: Prediction) -> list:
     return [repr(p.pp_tps), repr(p.tg_tps), repr(p.gpu_bytes), p.fits, p.reason]
 
 
-def main(out: str) -> None:
+def main(out: str, generations: str | None = None) -> None:
     rng = random.Random(20261130)
     res = {"constants": repr(simulated.fitted_constants()), "dims": repr(simulated.fitted_dims())}
     models = {}
@@ -55,11 +58,13 @@ def main(out: str) -> None:
                                                simulated.shape_for_path(f"sim://{name}/{q}") == info]
     res["models"] = models
     chips = simulated.all_chips()
+    if generations:
+        chips = [c for c in chips if c.generation in generations.split(",")]
     cases = []
     for chip in chips:
         for mem in (None, 192):
             c = chip if mem is None else simulated.with_memory(chip, mem)
-            cores = c.p_cores + c.e_cores
+            cores = c.p_cores + (c.m_cores or 0) + c.e_cores
             for name in MODELS:
                 for q in QUANTS:
                     shape = model_shape(name, q)
@@ -122,4 +127,6 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON file to write")
-    main(parser.parse_args().out)
+    parser.add_argument("--generations", help="only the bins of these generations, e.g. M1,M2,M3,M4")
+    args = parser.parse_args()
+    main(args.out, args.generations)

@@ -1419,6 +1419,37 @@ def _sim_target(chip_text: str, model_shape: str, quant: str):
     return simulated.parse_chip(chip_text), _sim_shape(model_shape, quant)
 
 
+SIM_CHIP_COLUMNS = [
+    Column("chip", "chip", no_wrap=True),
+    Column("chip_key", "key", no_wrap=True),
+    Column("p_cores", "P", justify="right", long_header="P (super) cores"),
+    Column("m_cores", "M", justify="right", long_header="performance cores of a second tier"),
+    Column("e_cores", "E", justify="right", long_header="efficiency cores"),
+    Column("gpu_cores", "GPU", justify="right", long_header="GPU cores"),
+    Column("bandwidth_gbs", "GB/s", ".0f", "right", long_header="bandwidth GB/s"),
+    Column("memory_gb", "mem GB", justify="right", long_header="base memory GB"),
+    Column("basis", "basis"),
+]
+
+
+@sim.command("chips")
+@output_options()
+def sim_chips(fmt) -> None:
+    """Every chip bin the simulator knows (the chip table) at its base memory, and how far its
+    figures rest on measurement (M5: modelled from public specifications, no measurement)."""
+    from workers import simulated
+    from workers.hardware import chip_table
+
+    rows = [{"chip": f"{c.family}/{c.gpu_cores}/{simulated.BASE_MEMORY_GB[c.family]}", "chip_key": c.chip_key,
+             "p_cores": c.p_cores, "m_cores": c.m_cores or 0, "e_cores": c.e_cores, "gpu_cores": c.gpu_cores,
+             "bandwidth_gbs": c.bandwidth_gbs, "memory_gb": simulated.BASE_MEMORY_GB[c.family],
+             "basis": simulated.basis(c), "simulated": True}
+            for c in chip_table()]
+    click.echo(render(rows, SIM_CHIP_COLUMNS, fmt, title="Simulated chip bins. Basis: calibrated, fitted on "
+                      "public M1/M2 rows; checked, that fit checked on public M3/M4 rows; modelled, from "
+                      "public specifications, no measurement"))
+
+
 @sim.command("predict")
 @sim_options
 @knob_options(*knobs.BENCH_FIELDS, defaults={"n_gpu_layers": "99", "n_threads": "8", "n_batch": "512"})
@@ -1436,7 +1467,7 @@ def sim_predict(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
         "chip": chip.label, "chip_key": chip.chip_key, "model": f"{shape.shape_name} {shape.quant}",
         "scenario": scenario, "flags": params.llama_cpp_flags(),
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
-        "fits": pred.fits, "reason": pred.reason, "simulated": True,
+        "fits": pred.fits, "reason": pred.reason, "simulated": True, "basis": simulated.basis(chip),
     }
     click.echo(render_record(record, fmt))
 
@@ -1459,7 +1490,7 @@ def sim_optimum(chip_text, model_shape, quant, prompt_tokens, gen_tokens, depth,
         "scenario": scenario, "objective": objective, "flags": params.llama_cpp_flags(),
         "value": round(value, 3), "unit": objective_named(objective).unit,
         f"pp{prompt_tokens}_tps": round(pred.pp_tps, 2), f"tg{gen_tokens}_tps": round(pred.tg_tps, 2),
-        "simulated": True,
+        "simulated": True, "basis": simulated.basis(chip),
     }
     click.echo(render_record(record, fmt))
 
@@ -1488,7 +1519,7 @@ CAPACITY_COLUMNS = [
               help="llama-server's -np, fixed (default: searched, 1, 2, 4, ... while they fit).")
 @click.option("--ctx-per-slot", type=click.IntRange(1, MAX_TOKENS), default=None,
               help="Context of each slot, with --slots (default: the request's tokens, rounded up to 256).")
-@all_chips_option(help="Every M1-M4 bin at its base memory.")
+@all_chips_option(help="Every bin of the chip table (sim chips) at its base memory.")
 @output_options()
 def sim_capacity(chip_text, model_shape, quant, slo, prompt_tokens, gen_tokens, slots, ctx_per_slot, all_chips,
                  fmt) -> None:

@@ -6,7 +6,10 @@ Each dimension is searched only where it can change the objective on this target
   on the GPU); fixed at 0 on a CPU-only node.
 - threads: 1..performance cores where the chip says which cores those are (an Apple chip, a hybrid
   Intel): llama.cpp splits a step's work evenly, so a thread on an efficiency core (or a second
-  thread on a core) makes every step wait for the slowest one; 1..logical cores elsewhere. Proposed
+  thread on a core) makes every step wait for the slowest one; 1..logical cores elsewhere. On an
+  M5 Pro/Max, whose second tier is performance cores, not efficiency cores (``m_cores``), up to
+  its super and performance cores together: those threads pace the step too, but by far less, and
+  all 18 can outrun the 6 super cores alone (docs/benchmarks.md, "The M5 generation"). Proposed
   on a log scale: speed changes by ratios of threads (1 -> 2 as much as 8 -> 16), and the few-thread
   end matters where CPU threads contend with the GPU (bench/search_efficiency.py, seed scenario).
 - threads_batch (prompt threads apart from generation threads): only where the objective measures
@@ -151,7 +154,9 @@ class SearchSpace:
         logical = max(fp.logical_cores or 1, 1)
         threads = logical
         if fp.p_cores and fp.p_cores < logical:
-            threads = fp.p_cores  # efficiency cores or SMT siblings pace every step (see above)
+            # efficiency cores or SMT siblings pace every step (see above); a second tier of
+            # performance cores (M5 Pro/Max) is searched as well
+            threads = min(fp.p_cores + (fp.m_cores or 0), logical)
         working_set = gpu_budget or gpu_working_set(fp)
         cpu_moe = 0
         if moe is not None and working_set is not None and model.size_bytes > working_set:
@@ -464,6 +469,10 @@ def llama_cpp_defaults(fp: Fingerprint, model: ModelInfo, n_prompt: int | None =
     ``-b 2048 -ub 512`` and flash attention ``auto``. The batch is clipped to the model's context
     and, where ``n_prompt`` is given, to the prompt (a larger batch processes it the same way).
     """
+    # llama.cpp's default -t on macOS is hw.perflevel0.physicalcpu, the fastest tier only
+    # (common/common.cpp, common_cpu_get_num_physical_cores, via common_cpu_get_num_math): on an
+    # M5 Pro/Max its 6 super cores, not the 12 performance cores of hw.perflevel1 beside them
+    # (checked in the llama.cpp vendored by llama-cpp-python 0.3.36). p_cores is that tier.
     threads = fp.p_cores or fp.logical_cores or 1
     batch = min(LLAMA_CPP_BATCH, model.context_length or LLAMA_CPP_BATCH)
     if n_prompt:

@@ -121,7 +121,8 @@ class ConfigPredictor:
         n_layer = model.n_layer
         ngl = round(min(max(offload, 0.0), 1.0) * (n_layer + 1)) if hw.gpu_cores else 0
         p_cores, e_cores = cores(hw)
-        n_threads = int(min(max(round(threads * max(p_cores, 1)), 1), max(p_cores + e_cores, 1)))
+        n_threads = int(min(max(round(threads * max(p_cores, 1)), 1),
+                            max(p_cores + (hw.m_cores or 0) + e_cores, 1)))
         n_batch = _power_of_two(batch)
         params = BenchParams(n_gpu_layers=ngl, n_threads=n_threads, n_batch=n_batch,
                              n_ubatch=min(_power_of_two(ubatch), n_batch))

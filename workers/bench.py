@@ -760,5 +760,6 @@ def bench_local(
 
 
 def default_threads(fp: Fingerprint) -> int:
-    """llama-bench's default thread count: the physical (performance) cores."""
+    """llama-bench's default thread count: the physical cores of the fastest tier (macOS's
+    hw.perflevel0: an M5 Pro/Max's super cores, not its performance cores; space.llama_cpp_defaults)."""
     return fp.p_cores or fp.logical_cores or os.cpu_count() or 1

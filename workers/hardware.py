@@ -59,6 +59,9 @@ class Fingerprint:
     os: str | None
     backend: str
     gpu_offload: bool
+    # A second tier of "performance" cores beside p_cores that are not efficiency cores (M5 Pro/Max:
+    # 6 super cores are p_cores, 12 performance cores are m_cores, no e_cores); None: not stated.
+    m_cores: int | None = None
 
     @property
     def family(self) -> str | None:
@@ -93,25 +96,28 @@ class Fingerprint:
 
 
 def apple_chip(family: str, p_cores: int, e_cores: int, gpu_cores: int, bandwidth_gbs: float,
-               memory_bytes: int | None = None, os: str | None = None) -> Fingerprint:
+               memory_bytes: int | None = None, os: str | None = None, m_cores: int = 0) -> Fingerprint:
     """The fingerprint of an Apple Silicon bin (what such a Mac reports about itself)."""
     name = f"Apple {family}"
     return Fingerprint(
         chip=name, chip_key=make_chip_key(name, gpu_cores, None), vendor="Apple",
-        p_cores=p_cores, e_cores=e_cores, logical_cores=p_cores + e_cores, gpu_cores=gpu_cores,
+        p_cores=p_cores, e_cores=e_cores, logical_cores=p_cores + m_cores + e_cores, gpu_cores=gpu_cores,
         gpu_name=name, gpu_memory_bytes=None, memory_bytes=memory_bytes, bandwidth_gbs=bandwidth_gbs,
-        os=os, backend="metal", gpu_offload=True,
+        os=os, backend="metal", gpu_offload=True, m_cores=m_cores,
     )
 
 
 @cache
 def chip_table() -> tuple[Fingerprint, ...]:
-    """The bundled Apple Silicon bins (family, P/E cores, GPU cores, bandwidth; memory unknown)."""
+    """The bundled Apple Silicon bins (family, core tiers, GPU cores, bandwidth; memory unknown).
+
+    ``m_cores`` (the M5 Pro/Max's second tier of performance cores) is empty, 0, where a row leaves it out.
+    """
     text = resources.files("workers").joinpath("data/apple_silicon_chips.csv").read_text()
     rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
     return tuple(
         apple_chip(r["family"], int(r["p_cores"]), int(r["e_cores"]), int(r["gpu_cores"]),
-                   float(r["bandwidth_gbs"]))
+                   float(r["bandwidth_gbs"]), m_cores=int(r.get("m_cores") or 0))
         for r in rows
     )
 
@@ -133,7 +139,11 @@ def apple_bins(
 def apple_bandwidth(
     family: str, gpu_cores: int | None, p_cores: int | None, e_cores: int | None
 ) -> float | None:
-    """Vendor bandwidth for the bins that fit; None when they disagree or the family is unknown."""
+    """Vendor bandwidth for the bins that fit; None when they disagree, the family is unknown, or the
+    GPU bin is not in the table (an unlisted bin, e.g. the 32-core M5 Max, need not have its
+    family's listed bandwidth: the M4 Max's 32-core bin has 410 GB/s, its 40-core 546)."""
+    if gpu_cores is not None and not any(b.gpu_cores == gpu_cores for b in apple_bins(family)):
+        return None
     figures = {b.bandwidth_gbs for b in apple_bins(family, gpu_cores, p_cores, e_cores)}
     return figures.pop() if len(figures) == 1 else None
 
@@ -196,10 +206,13 @@ def parse_system_profiler_json(text: str) -> dict:
     for item in _sections(data, "SPHardwareDataType"):
         out["chip"] = _text(item.get("chip_type")) or out.get("chip")
         procs = item.get("number_processors")
-        if isinstance(procs, str):  # "proc 12:8:4" = total:performance:efficiency
+        # "proc 12:8:4" = total:performance:efficiency (M1-M4); "proc 18:6:0:12" adds a fourth,
+        # the M5 Pro/Max's performance cores beside its 6 super cores (then in the second place)
+        if isinstance(procs, str):
             nums = [int(n) for n in re.findall(r"\d+", procs)]
             if len(nums) >= 3:
                 out["logical_cores"], out["p_cores"], out["e_cores"] = nums[:3]
+                out["m_cores"] = nums[3] if len(nums) >= 4 else max(nums[0] - nums[1] - nums[2], 0)
         if _text(item.get("physical_memory")):
             out["memory_bytes"] = _memory_text_to_bytes(item["physical_memory"])
         if _text(item.get("machine_model")):
@@ -244,9 +257,16 @@ def parse_system_profiler_text(text: str) -> dict:
             if key == "Chip":
                 out["chip"] = value
             elif key == "Total Number of Cores":
-                match = re.match(r"(\d+)\s*\((\d+) performance and (\d+) efficiency\)", value)
-                if match:
-                    out["logical_cores"], out["p_cores"], out["e_cores"] = map(int, match.groups())
+                # "12 (8 performance and 4 efficiency)"; on M5 "10 (4 Super and 6 Efficiency)" and
+                # "18 (6 Super and 12 Performance)": the first tier named is the fastest
+                match = re.match(r"(\d+)\s*\((.*)\)", value)
+                tiers = re.findall(r"(\d+)\s+(super|performance|efficiency)\b", match.group(2), re.I) \
+                    if match else []
+                if tiers:
+                    (top, _), rest = tiers[0], tiers[1:]
+                    out["logical_cores"], out["p_cores"] = int(match.group(1)), int(top)
+                    out["m_cores"] = sum(int(n) for n, kind in rest if kind.lower() != "efficiency")
+                    out["e_cores"] = sum(int(n) for n, kind in rest if kind.lower() == "efficiency")
             elif key == "Memory":
                 out["memory_bytes"] = _memory_text_to_bytes(value)
             elif key == "Model Identifier":
@@ -324,12 +344,7 @@ def _apple_fingerprint(sysctl: dict[str, str], prof: dict, ioreg: dict, os_name:
     # performance levels exist only on Apple Silicon, whose GPU llama.cpp drives through Metal
     apple_silicon = bool(chip or ioreg or prof.get("display_chip") or "hw.perflevel0.physicalcpu" in sysctl)
     p_cores = _int(sysctl.get("hw.perflevel0.physicalcpu")) or prof.get("p_cores")
-    if _int(sysctl.get("hw.nperflevels")) == 1:
-        e_cores = 0
-    else:
-        e_cores = _int(sysctl.get("hw.perflevel1.physicalcpu"))
-        if e_cores is None:
-            e_cores = prof.get("e_cores")
+    e_cores, m_cores = _lower_tiers(sysctl, prof)
     logical = _int(sysctl.get("hw.logicalcpu")) or prof.get("logical_cores")
     if logical is None and "hw.perflevel0.logicalcpu" in sysctl:
         logical = sum(
@@ -346,6 +361,7 @@ def _apple_fingerprint(sysctl: dict[str, str], prof: dict, ioreg: dict, os_name:
         "vendor": "Apple" if apple_silicon else None,
         "p_cores": p_cores,
         "e_cores": e_cores,
+        "m_cores": m_cores,
         "logical_cores": logical,
         "gpu_cores": gpu_cores,
         "gpu_name": chip if gpu_cores else prof.get("gpu_name"),
@@ -355,6 +371,27 @@ def _apple_fingerprint(sysctl: dict[str, str], prof: dict, ioreg: dict, os_name:
         "os": f"macOS {version}" if version else os_name,
         "backend": "metal" if apple_silicon else "cpu",
     }
+
+
+def _lower_tiers(sysctl: dict[str, str], prof: dict) -> tuple[int | None, int | None]:
+    """(efficiency cores, performance cores of a second tier) below ``hw.perflevel0``, the fastest
+    tier (llama.cpp's default thread count). macOS names each level: "Performance" and "Efficiency"
+    on M1-M4; "Super" and "Efficiency" on M5; "Super" and "Performance" on M5 Pro/Max, whose
+    second tier is performance cores, not efficiency cores. A level without a name (older
+    captures) is read as efficiency cores, as every chip before M5 Pro has them."""
+    levels = _int(sysctl.get("hw.nperflevels"))
+    if levels == 1:
+        return 0, 0
+    below = range(1, levels or 2)
+    counts = [_int(sysctl.get(f"hw.perflevel{i}.physicalcpu")) for i in below]
+    names = [sysctl.get(f"hw.perflevel{i}.name", "").strip().lower() for i in below]
+    if any(names) and None not in counts:
+        m_cores = sum(n for n, name in zip(counts, names, strict=True) if name in ("performance", "super"))
+        return sum(counts) - m_cores, m_cores
+    if prof.get("m_cores"):  # system_profiler names the tiers ("proc 18:6:0:12")
+        return prof.get("e_cores"), prof["m_cores"]
+    e_cores = counts[0] if counts[0] is not None else prof.get("e_cores")
+    return e_cores, prof.get("m_cores")
 
 
 def _linux_fingerprint(

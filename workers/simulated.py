@@ -75,16 +75,31 @@ from workers.objective import objective as named_objective
 from workers.placement import KV_BYTES, WORKING_SET_FRACTION
 from workers.trial import BenchParams, FailureKind, Sample, TrialResult, Workload
 
-# Public figures per generation: GPU clock (GHz) and P-core clock (GHz).
-GPU_CLOCK_GHZ = {"M1": 1.278, "M2": 1.398, "M3": 1.38, "M4": 1.578}
-CPU_CLOCK_GHZ = {"M1": 3.2, "M2": 3.5, "M3": 4.05, "M4": 4.4}
+# Public figures per generation: GPU clock (GHz) and P-core clock (GHz). M5 is modelled: Apple
+# publishes no clocks; these are the maxima powermetrics reports on M5 Macs (public readings: GPU
+# 1578 MHz, the M4's; super cores 4608 MHz), docs/benchmarks.md "The M5 generation".
+GPU_CLOCK_GHZ = {"M1": 1.278, "M2": 1.398, "M3": 1.38, "M4": 1.578, "M5": 1.578}
+CPU_CLOCK_GHZ = {"M1": 3.2, "M2": 3.5, "M3": 4.05, "M4": 4.4, "M5": 4.6}
 # Unified memory of each family's base configuration (override with "M2 Ultra/76/192").
 BASE_MEMORY_GB = {
     "M1": 8, "M1 Pro": 16, "M1 Max": 32, "M1 Ultra": 64,
     "M2": 8, "M2 Pro": 16, "M2 Max": 32, "M2 Ultra": 64,
     "M3": 8, "M3 Pro": 18, "M3 Max": 36, "M3 Ultra": 96,
     "M4": 16, "M4 Pro": 24, "M4 Max": 36,
+    "M5": 16, "M5 Pro": 24, "M5 Max": 36,
 }
+# How far each generation's constants rest on measurement (docs/benchmarks.md).
+# M1/M2: the GPU constants are fitted on their public rows; M3/M4: that fit on their own bandwidth,
+# cores and clocks, checked against public rows; M5: from Apple's specifications alone.
+BASIS = {
+    "M1": "calibrated", "M2": "calibrated", "M3": "checked", "M4": "checked",
+    "M5": "modelled",  # public specs, no measurement
+}
+
+
+def basis(chip: Fingerprint) -> str:
+    """How far the simulator's figures for this chip rest on measurement."""
+    return BASIS.get(chip.generation or "", "modelled")
 # Dequantisation cost class of each type (the fit has one constant per class).
 QUANT_CLASS = {"f16": "f16", "q8_0": "q8", "q6_k": "q8", "q5_k_m": "q4", "q5_0": "q4", "q5_1": "q4",
                "q4_k_m": "q4", "q4_k_s": "q4", "q4_1": "q4", "q4_0": "q4", "q3_k_m": "q4", "q2_k": "q4"}
@@ -354,6 +369,15 @@ SCENARIOS = {
 CPU_BYTES_PER_S_PER_GHZ = 2.45e9  # quantised weights one P-core thread streams through its dot products
 CPU_FLOPS_PER_GHZ = 24e9  # one P-core's effective matmul throughput for batched (pp) work
 E_CORE_SPEED = 0.2  # relative to a P-core
+# An M5 Pro/Max "performance" core (the tier below its super cores; Fingerprint.m_cores), relative
+# to a super core. Modelled, no measurement: public figures put its throughput at 0.6-0.7 of a super
+# core (Apple's "up to 30 %" multithreaded gain over the M4 Pro with 6 super + 12 of them for 10 P +
+# 4 E gives about 0.6; Ars Technica's review about 0.7), and E_CORE_SPEED, fitted on the field (an M2
+# Max from 8 to 12 threads: 18 -> 5 tok/s), is about 0.6 of an E core's throughput ratio (about a
+# third): a thread on a slower core costs more than its throughput deficit. The same discount gives
+# 0.36-0.42. Above 1/3, 18 threads outrun the 6 super cores alone on CPU-bound work (18 x 0.4 = 7.2
+# > 6); below it they would not. docs/benchmarks.md "The M5 generation".
+M_CORE_SPEED = 0.4
 CPU_BANDWIDTH_SHARE = 0.6  # the CPU clusters reach at most this share of the SoC bandwidth
 OVERSUBSCRIBED_PENALTY = 1.5  # threads beyond the cores: time-slicing and cache thrash
 
@@ -371,13 +395,22 @@ class Prediction:
 
 
 def _thread_speed(chip: Fingerprint, threads: int) -> float:
-    """Aggregate speed of ``threads`` in P-core units, as the slowest thread sets the pace."""
-    cores = chip.p_cores + chip.e_cores
+    """Aggregate speed of ``threads`` in P-core units, as the slowest thread sets the pace.
+
+    Threads fill the fastest cores first: P (super) cores, then a second tier of performance cores
+    (M5 Pro/Max, ``m_cores``, at M_CORE_SPEED), then efficiency cores (E_CORE_SPEED); llama.cpp
+    splits a step's work evenly, so the slowest core a thread lands on paces every thread.
+    """
+    m_cores = chip.m_cores or 0
+    cores = chip.p_cores + m_cores + chip.e_cores
     if threads <= chip.p_cores:
         return float(threads)
+    if threads <= chip.p_cores + m_cores:
+        return threads * M_CORE_SPEED
+    slowest = M_CORE_SPEED if m_cores and not chip.e_cores else E_CORE_SPEED
     if threads <= cores:
-        return threads * E_CORE_SPEED
-    return cores * E_CORE_SPEED / OVERSUBSCRIBED_PENALTY * cores / threads
+        return threads * slowest
+    return cores * slowest / OVERSUBSCRIBED_PENALTY * cores / threads
 
 
 CAL_PP_CTX = 256  # mean position a pp512 token attends to: the context of the fitted constants
@@ -546,7 +579,7 @@ def search_grid(chip: Fingerprint, shape: ModelInfo, batch_choices=(128, 256, 51
     if depth:
         caches += [("q8_0", "q8_0"), ("q4_0", "q4_0")]
     for ngl in range(shape.n_layer + 2):
-        for threads in range(1, chip.p_cores + chip.e_cores + 1):
+        for threads in range(1, chip.p_cores + (chip.m_cores or 0) + chip.e_cores + 1):
             for batch in batch_choices:
                 for fa in ("off", "on"):
                     for type_k, type_v in caches:

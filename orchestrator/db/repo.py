@@ -60,12 +60,19 @@ def upsert_chip(session: Session, fp: Fingerprint) -> Chip:
 
 
 def fingerprint_of_chip(row: Chip) -> Fingerprint:
-    """A chip row as the hardware record (what its nodes share; no node's OS)."""
+    """A chip row as the hardware record (what its nodes share; no node's OS).
+
+    The row has no column for an M5 Pro/Max's second tier of performance cores (``m_cores``):
+    Apple Silicon has one thread per core, so they are the logical cores past the P and E cores.
+    """
+    m_cores = None
+    if row.vendor == "Apple" and None not in (row.logical_cores, row.p_cores, row.e_cores):
+        m_cores = max(row.logical_cores - row.p_cores - row.e_cores, 0)
     return Fingerprint(
         chip=row.name, chip_key=row.key, vendor=row.vendor, p_cores=row.p_cores, e_cores=row.e_cores,
         logical_cores=row.logical_cores, gpu_cores=row.gpu_cores, gpu_name=row.gpu_name,
         gpu_memory_bytes=None, memory_bytes=row.memory_bytes, bandwidth_gbs=row.bandwidth_gbs, os=None,
-        backend=row.backend, gpu_offload=row.backend != "cpu",
+        backend=row.backend, gpu_offload=row.backend != "cpu", m_cores=m_cores,
     )
 
 
