@@ -6,36 +6,49 @@
 #                                    # (needs the CUDA toolkit's nvcc); `fleettune tools build` then
 #                                    # builds llama-server/llama-bench for CUDA too
 #
-# llama-cpp-python is built from source by pip (about 8 minutes on 2 cores, cached afterwards).
-# On Linux x86 hosts with AMX (Intel Xeon 4th generation and later), the AMX kernels of the
-# llama.cpp that llama-cpp-python 0.3.36 vendors crash prompt processing with SIGILL, so there it is
-# built once without them (-mno-amx-*), into a wheel kept under ~/.cache/fleettune; Macs and other
-# hosts get pip's ordinary build. A CUDA build is kept there too (wheels-cuda, or wheels-cuda-no-amx).
+# llama-cpp-python is built from source (about 8 minutes on 2 cores). On Linux the wheel is kept
+# under ~/.cache/fleettune (wheels, wheels-cuda), so a second install takes seconds; on a Mac pip
+# builds it with Metal and keeps it in its own cache.
+#
+# AMX (issue 20.8): on a Linux host whose CPU reports AMX (Intel Xeon 4th generation and later) the
+# build keeps llama.cpp's AMX kernels where they run; `python -m workers.llamacompat amx` runs them
+# on a tiny synthetic model in a child process, and only where that child dies (SIGILL or SIGSEGV,
+# seen on KVM guests whose tiles a plain program can use) is llama-cpp-python built again without
+# them (-mno-amx-*, kept in wheels-no-amx or wheels-cuda-no-amx).
 set -eu
 cd "$(dirname "$0")"
 python3 -m venv .venv
 LLAMA_VERSION=0.3.36
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/fleettune"
-flags=""
-wheels=""
-if [ "$(uname -s)" = Linux ] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
-    flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    wheels="$cache/wheels-no-amx"
-fi
+variant=""
 case "${FLEETTUNE_CUDA:-0}" in
     1|on|yes|true)
         export CMAKE_ARGS="-DGGML_CUDA=on${CMAKE_ARGS:+ $CMAKE_ARGS}"
-        wheels="$cache/wheels-cuda${flags:+-no-amx}" ;;
+        variant="-cuda" ;;
 esac
-if [ -n "$wheels" ]; then
-    if ! ls "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
-        if [ -n "$flags" ]; then
-            CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$flags' -DCMAKE_CXX_FLAGS='$flags'" \
-                .venv/bin/pip wheel -q --no-deps --no-cache-dir -w "$wheels" "llama-cpp-python==$LLAMA_VERSION"
+
+# build_wheel DIR [C FLAGS]: llama-cpp-python's wheel into DIR, unless one is there already
+build_wheel() {
+    if ! ls "$1"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
+        if [ -n "${2:-}" ]; then
+            CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_C_FLAGS='$2' -DCMAKE_CXX_FLAGS='$2'" \
+                .venv/bin/pip wheel -q --no-deps --no-cache-dir -w "$1" "llama-cpp-python==$LLAMA_VERSION"
         else
-            .venv/bin/pip wheel -q --no-deps --no-cache-dir -w "$wheels" "llama-cpp-python==$LLAMA_VERSION"
+            .venv/bin/pip wheel -q --no-deps --no-cache-dir -w "$1" "llama-cpp-python==$LLAMA_VERSION"
         fi
     fi
-    .venv/bin/pip install -q --no-deps --force-reinstall "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+    .venv/bin/pip install -q --no-deps --force-reinstall "$1"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+}
+
+if [ "$(uname -s)" = Linux ]; then
+    build_wheel "$cache/wheels$variant"
 fi
 .venv/bin/pip install -q -e '.[dev,postgres]'
+if [ "$(uname -s)" = Linux ] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    status=0
+    .venv/bin/python -m workers.llamacompat amx || status=$?
+    if [ "$status" = 1 ]; then
+        echo "install.sh: building llama-cpp-python again without llama.cpp's AMX kernels"
+        build_wheel "$cache/wheels$variant-no-amx" "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    fi
+fi

@@ -96,15 +96,39 @@ def test_the_identity_of_a_build_and_of_another_binary(clean_env):
 
 
 def test_the_build_is_configured_offline_without_the_web_ui(monkeypatch):
-    monkeypatch.setattr(llamatools, "amx_reported", lambda: False)
+    monkeypatch.setattr(llamatools, "drop_amx", lambda: False)
     args = llamatools.cmake_args("cpu", "0c1e57098")
     for wanted in ("-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_SERVER=ON",
                    "-DLLAMA_BUILD_COMMIT=0c1e57098", "-DBUILD_SHARED_LIBS=OFF"):
         assert wanted in args
     assert not any("amx" in a for a in args)
     assert "-DGGML_CUDA=ON" in llamatools.cmake_args("cuda", None)
-    monkeypatch.setattr(llamatools, "amx_reported", lambda: True)  # as install.sh builds the library there
+    monkeypatch.setattr(llamatools, "drop_amx", lambda: True)  # as install.sh built the library here
     assert f"-DCMAKE_CXX_FLAGS={llamatools.NO_AMX_FLAGS}" in llamatools.cmake_args("cpu", None)
+
+
+def test_the_tools_drop_amx_only_where_the_library_did(monkeypatch):
+    """Issue 20.8: the AMX kernels are dropped where install.sh's probe saw them crash (the installed
+    library has none), never from /proc/cpuinfo alone."""
+    from workers import llamacompat
+
+    monkeypatch.setattr(llamatools, "amx_reported", lambda: True)
+    monkeypatch.setattr(llamacompat, "library_has_amx", lambda: True)
+    assert not llamatools.drop_amx()  # they ran: kept
+    monkeypatch.setattr(llamacompat, "library_has_amx", lambda: False)
+    assert llamatools.drop_amx()  # dropped from the library: dropped from the tools
+    monkeypatch.setattr(llamatools, "amx_reported", lambda: False)
+    assert not llamatools.drop_amx()
+
+
+def test_the_amx_probe_runs_llama_cpps_kernels_on_a_synthetic_model_in_a_child(monkeypatch):
+    """The probe's child really loads and decodes (with this machine's library: it has run), a
+    child's death by a signal is a crash, an ordinary exit status is not."""
+    from workers import llamacompat
+
+    monkeypatch.setattr(llamacompat, "library_has_amx", lambda: True)  # probe whatever is installed
+    assert llamacompat.amx_kernels_run() is True
+    assert llamacompat.crashed(-4) and llamacompat.crashed(-11) and not llamacompat.crashed(1)
 
 
 def test_the_vendored_commit_comes_from_the_releases_changelog(tmp_path):
@@ -307,3 +331,30 @@ def test_verify_referees_a_real_study_with_llama_bench(llama_bench, model_info, 
     printed = json.loads(shown.stdout)
     assert [r["config"] for r in printed] == list(report.plan.configs)
     assert "round 2/2" in shown.stderr and "commit" in shown.stderr
+
+
+# llama-fit-params's stdout as llama.cpp's tools/fit-params/README.md shows it (Qwen3-30B-A3B F16 on a
+# 24 GiB RTX 4090), two layers of its 34 overflowing ones kept here
+FIT_PARAMS_README = ('-c 4096 -ngl 48 -ot "blk\\.14\\.ffn_(up|down|gate)_(ch|)exps=CPU,'
+                     'blk\\.15\\.ffn_(up|down|gate)_(ch|)exps=CPU"\n')
+
+
+def test_llama_fit_params_placement_is_read_and_given_to_each_tool_in_its_own_form():
+    fit = llamatools.parse_fit_params(FIT_PARAMS_README)
+    assert (fit.n_ctx, fit.n_gpu_layers) == (4096, 48)
+    assert fit.overrides == (r"blk\.14\.ffn_(up|down|gate)_(ch|)exps=CPU", r"blk\.15\.ffn_(up|down|gate)_(ch|)exps=CPU")
+    bench = fit.llama_bench_args()  # llama-bench: ';' between overrides (',' would be a second test)
+    assert bench[:2] == ["-ngl", "48"] and bench[3].count(";") == 1 and "," not in bench[3]
+    assert fit.llama_server_args()[-1].count(",") == 1
+    assert llamatools.parse_fit_params("-c 8192 -ngl 0\n").overrides == ()
+    with pytest.raises(llamatools.ToolError):
+        llamatools.parse_fit_params("llama_params_fit: failed to fit\n")
+
+
+def test_the_fit_target_makes_llama_cpp_plan_for_the_budget():
+    gib = 1024**3
+    # 140 GiB free, an 8 GiB budget: leave 133 GiB free, so 7 GiB (the budget less the 1 GiB margin) is used
+    assert llamatools.fit_target_mib(140 * gib, 8 * gib) == 133 * 1024
+    assert llamatools.fit_target_mib(4 * gib, 8 * gib) == 0  # less free than the budget: the default margin is moot
+    argv = llamatools.fit_params_argv("llama-fit-params", "m.gguf", 640, 1024)
+    assert argv[argv.index("-fitc") + 1] == "640" and argv[argv.index("-fitt") + 1] == "1024"

@@ -1,19 +1,20 @@
-"""llama.cpp's own tools (llama-server, llama-bench, llama-perplexity): where they are, how they are
-built, which build they are, and llama-bench run as a measurement.
+"""llama.cpp's own tools (llama-server, llama-bench, llama-perplexity, llama-fit-params): where they
+are, how they are built, which build they are, llama-bench run as a measurement, and
+llama-fit-params's placement (llama.cpp's ``--fit``) for a memory budget.
 
 Where a tool is found (``find_tool``), first hit wins:
 
 1. the file its variable names (``FLEETTUNE_LLAMA_SERVER``, ``FLEETTUNE_LLAMA_BENCH``,
-   ``FLEETTUNE_LLAMA_PERPLEXITY``);
+   ``FLEETTUNE_LLAMA_PERPLEXITY``, ``FLEETTUNE_LLAMA_FIT_PARAMS``);
 2. fleettune's own build, ``<cache>/fleettune/llama.cpp-<version>-<backend>/bin`` (``<cache>`` is
    ``$XDG_CACHE_HOME`` or ``~/.cache``), made by ``fleettune tools build`` (``build``);
 3. ``PATH`` (Homebrew's ``brew install llama.cpp`` on a Mac).
 
 The build compiles the llama.cpp that llama-cpp-python vendors (its sdist from PyPI, the version
 fleettune measures with), so llama-bench and fleettune's own measurements run the same code. Only
-the three targets, static, without the web UI (the API works without it); on a Linux host whose CPU
-reports AMX, without the AMX kernels, as install.sh builds the library (they crash there with
-SIGILL). The build's identity (version, commit, backend, flags) is written beside the binaries in
+these targets, static, without the web UI (the API works without it); without llama.cpp's AMX
+kernels where install.sh built the library without them (its probe saw them crash), so both run
+the same kernels. The build's identity (version, commit, backend, flags) is written beside the binaries in
 ``build.json`` and recorded with results (``identity``).
 """
 
@@ -37,7 +38,7 @@ from workers.errors import BadInput, FleettuneError
 from workers.trial import BenchParams, Workload
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the version pyproject.toml and install.sh pin
-TOOLS = ("llama-server", "llama-bench", "llama-perplexity")
+TOOLS = ("llama-server", "llama-bench", "llama-perplexity", "llama-fit-params")
 ENV_VARS = {name: "FLEETTUNE_" + name.upper().replace("-", "_") for name in TOOLS}
 BACKENDS = ("cpu", "cuda", "metal")
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -146,13 +147,27 @@ def tool_rows() -> list[dict]:
 
 
 def amx_reported() -> bool:
-    """Whether this Linux CPU lists AMX tiles (install.sh drops the AMX kernels on such hosts)."""
+    """Whether this Linux CPU lists AMX tiles (where install.sh probes llama.cpp's AMX kernels)."""
     if platform.system() != "Linux":
         return False
     try:
         return re.search(r"\bamx_tile\b", Path("/proc/cpuinfo").read_text()) is not None
     except OSError:
         return False
+
+
+def drop_amx() -> bool:
+    """Whether the tools are built without llama.cpp's AMX kernels: where the CPU reports AMX and the
+    installed llama-cpp-python has none (install.sh dropped them: they crash here), so both run the
+    same kernels; where the library kept them, they run, and the tools keep them too."""
+    if not amx_reported():
+        return False
+    try:
+        from workers.llamacompat import library_has_amx
+
+        return not library_has_amx()
+    except ImportError:  # no llama-cpp-python: as install.sh's probe would most often decide on a VM
+        return True
 
 
 def cmake_args(backend: str, commit: str | None) -> list[str]:
@@ -168,7 +183,7 @@ def cmake_args(backend: str, commit: str | None) -> list[str]:
         args += ["-DGGML_METAL=OFF", "-DGGML_CUDA=OFF"]
     if commit:  # the sdist has no .git: llama.cpp's build info would say "unknown"
         args.append(f"-DLLAMA_BUILD_COMMIT={commit}")
-    if amx_reported():
+    if drop_amx():
         args += [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
     return args
 
@@ -247,7 +262,7 @@ def build(backend: str | None = None, *, jobs: int | None = None, force: bool = 
             for name in TOOLS:
                 shutil.copy2(work / "build" / "bin" / name, staged / "bin" / name)
             info = {"llama_cpp_python": version, "commit": commit, "backend": backend, "cmake_args": args,
-                    "no_amx": amx_reported(), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "no_amx": drop_amx(), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "build_seconds": round(time.monotonic() - started, 1), "jobs": jobs or os.cpu_count()}
             (staged / IDENTITY_FILE).write_text(json.dumps(info, indent=1) + "\n")
             if target.exists():
@@ -325,3 +340,76 @@ def measure_with_llama_bench(binary: str, model_path: str, params: BenchParams, 
         figures.update(run_llama_bench(argv))
     p, n = workload.n_prompt, workload.n_gen
     return BenchFigures(figures.get(f"pp{p}") if p else None, figures.get(f"tg{n}") if n else None)
+
+
+# ---------------------------------------------------------------- llama.cpp's --fit placement
+
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class FitPlacement:
+    """What llama-fit-params printed: llama.cpp's ``--fit`` placement (common/fit.cpp) as CLI
+    arguments: the context, the GPU layers and the tensor overrides (``pattern=BUFFER``, e.g. the
+    experts of the last layers kept in ``CPU`` buffers)."""
+
+    n_ctx: int
+    n_gpu_layers: int
+    overrides: tuple[str, ...] = ()
+
+    def llama_bench_args(self) -> list[str]:
+        """The placement as llama-bench takes it (its ``-ot`` separates overrides with ';': a ','
+        would start another test)."""
+        args = ["-ngl", str(self.n_gpu_layers)]
+        return [*args, "-ot", ";".join(self.overrides)] if self.overrides else args
+
+    def llama_server_args(self) -> list[str]:
+        args = ["-c", str(self.n_ctx), "-ngl", str(self.n_gpu_layers)]
+        return [*args, "-ot", ",".join(self.overrides)] if self.overrides else args
+
+
+def fit_target_mib(free_bytes: int, budget_bytes: int, margin_bytes: int = 1024 * MIB) -> int:
+    """``-fitt`` (MiB llama.cpp leaves free on the device) that makes its fit plan for the budget as
+    fleettune's ``placement.fit`` does: ``budget - margin`` usable, out of ``free``. ggml reports the
+    device's whole free memory whatever cap is in force, so the budget has to come from here."""
+    return max((free_bytes - budget_bytes + margin_bytes) // MIB, 0)
+
+
+def fit_params_argv(binary: str, model_path: str, n_ctx: int, target_mib: int | None = None) -> list[str]:
+    """llama-fit-params for ``model_path`` at a context of ``n_ctx``, which --fit may not shrink
+    (``-fitc``): the placement moves layers and experts, as the study's configurations do."""
+    argv = [binary, "-m", model_path, "-c", str(n_ctx), "-fitc", str(n_ctx)]
+    return [*argv, "-fitt", str(target_mib)] if target_mib is not None else argv
+
+
+def parse_fit_params(stdout: str) -> FitPlacement:
+    """The last line llama-fit-params printed to stdout (``-c N -ngl N [-ts ...] [-ot "P=B,..."]``,
+    tools/fit-params/fit-params.cpp); ToolError when there is none."""
+    import shlex
+
+    lines = [line for line in stdout.splitlines() if line.strip().startswith("-c ")]
+    if not lines:
+        raise ToolError("llama-fit-params printed no placement")
+    tokens = shlex.split(lines[-1])
+    values: dict[str, str] = {}
+    for flag, value in zip(tokens[::2], tokens[1::2], strict=False):
+        values[flag] = value
+    try:
+        n_ctx, ngl = int(values["-c"]), int(values["-ngl"])
+    except (KeyError, ValueError):
+        raise ToolError(f"llama-fit-params printed {lines[-1]!r}, not -c N -ngl N") from None
+    overrides = tuple(o for o in values.get("-ot", "").split(",") if o)
+    return FitPlacement(n_ctx, ngl, overrides)
+
+
+def run_fit_params(argv: list[str], timeout_s: float = 600) -> FitPlacement:
+    """Run llama-fit-params; a failure (it could not fit even the CPU share) is a ToolError."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise ToolError(f"llama-fit-params did not finish within {timeout_s:.0f} s") from None
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise ToolError(f"llama-fit-params exited with {done.returncode}: {tail[0]}")
+    return parse_fit_params(done.stdout)

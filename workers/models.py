@@ -526,9 +526,25 @@ def _copy_tokenizer(writer, vocab_path: str | os.PathLike) -> int:
     return n_vocab
 
 
-def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: str | os.PathLike,
+def _byte_tokenizer(writer) -> int:
+    """A tokenizer of llama.cpp's SentencePiece kind that needs no file: <unk>, <s>, </s> and the 256
+    byte tokens (every text is encoded by byte fallback). For probes of llama.cpp itself, where
+    the text does not matter (``workers.llamacompat``); returns the vocabulary size."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([2, 3, 3, *([6] * 256)])  # unknown, control, control, byte
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    return len(tokens)
+
+
+def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike | None, out: str | os.PathLike,
                seed: int = 0) -> ModelInfo:
-    """Write a GGUF with ``shape_name``'s shapes, random ``quant`` weights and a real tokenizer.
+    """Write a GGUF with ``shape_name``'s shapes, random ``quant`` weights and a real tokenizer
+    (``vocab_from``'s; None: the 259-token byte tokenizer, for probes of llama.cpp).
 
     The file is streamed tensor by tensor (an 8B model never sits in memory) to ``out``.part and
     renamed when complete, so a failure never leaves a half-written model behind.
@@ -543,7 +559,7 @@ def synthesize(shape_name: str, quant: str, vocab_from: str | os.PathLike, out: 
     part = part_path(target)
     writer = gguf.GGUFWriter(str(part), shape.architecture)
     try:
-        n_vocab = _copy_tokenizer(writer, vocab_from)
+        n_vocab = _copy_tokenizer(writer, vocab_from) if vocab_from is not None else _byte_tokenizer(writer)
         plan = synth_plan(shape, quant, n_vocab)
         writer.add_name(f"synthetic {shape_name} {quant.upper()}")
         writer.add_file_type(_FILE_TYPES[quant.lower()])
