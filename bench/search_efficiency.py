@@ -23,6 +23,10 @@ Variants (``--variants``; the ablation of what each means contributes):
 - ``all-threads``: ``study`` with threads searched up to every logical core.
 - ``linear-threads``: ``study`` with threads proposed on a linear scale, not a log one.
 - ``no-prediction-linear-threads``: ``no-prediction`` with threads on a linear scale.
+- ``no-prediction-placements``: ``no-prediction`` plus, where full offload does not fit the GPU's
+  working set, llama.cpp's ``--fit`` placement and the most whole layers that fit (with --fit's
+  1 GiB margin): guesses from the memory estimate alone (``workers/placement.py``), no performance
+  model. Not what ``tune`` does today: a candidate for a cold study of a model that does not fit.
 - ``flat``: ``study`` with every dimension searched everywhere (batch, ubatch and n_threads_batch
   for tg too, no condition on the V type's flash attention: a quantized V without it fails).
 
@@ -66,7 +70,7 @@ from orchestrator.space import (  # noqa: E402
     moe_layout,
     predicted_optimum,
 )
-from workers import simulated  # noqa: E402
+from workers import placement, simulated  # noqa: E402
 from workers.objective import objective as objective_named  # noqa: E402
 from workers.simulated import ModelConstants  # noqa: E402
 from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
@@ -74,7 +78,7 @@ from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
 MODELS = {"LLaMA-2 7B Q4_0": ("llama2-7b", "q4_0"), "Llama-3-8B Q4_K_M": ("llama3-8b", "q4_k_m")}
 WORKLOAD = Workload(n_prompt=512, n_gen=128, reps=3)
 VARIANTS = ("study", "no-prediction", "no-compact-cache", "no-first-design", "all-threads", "linear-threads",
-            "no-prediction-linear-threads", "flat")
+            "no-prediction-linear-threads", "flat", "no-prediction-placements")
 MEMORY_FLOOR_GB = 32  # a bin given without its memory gets at least this (room for 8B models)
 DEFAULT_CHIPS = ("M1/8", "M1 Pro/16", "M1 Max/32", "M1 Ultra/64", "M2/10", "M2 Pro/19", "M2 Max/38",
                  "M2 Ultra/76", "M3/10", "M3 Pro/18", "M3 Max/40", "M4/10", "M4 Pro/20", "M4 Max/40")
@@ -158,9 +162,25 @@ def first_design(chip, shape, space: SearchSpace, variant: str, objective: str, 
     design = [full_offload(chip, info, space), defaults]
     if workload.depth and variant != "no-compact-cache":
         design.append(compact_cache(defaults, space))
-    if variant not in ("no-prediction", "no-compact-cache", "no-prediction-linear-threads"):  # the calibrated model's optimum, as a new study enqueues it
+    if variant not in ("no-prediction", "no-compact-cache", "no-prediction-linear-threads",
+                       "no-prediction-placements"):  # the calibrated model's optimum, as a new study enqueues it
         design.append(predicted_optimum(chip, info, workload.n_prompt, workload.n_gen, workload.depth, objective))
+    if variant == "no-prediction-placements":
+        design += memory_placements(chip, shape, defaults, workload)
     return [p for p in design if p is not None]
+
+
+def memory_placements(chip, shape, defaults: BenchParams, workload: Workload) -> list:
+    """Where llama.cpp's defaults (every layer offloaded) do not fit the GPU's working set: --fit's
+    placement, and the most whole layers that fit with --fit's margin (experts with their layers)."""
+    working_set = placement.gpu_working_set(chip)
+    n_ctx = workload.depth + workload.n_prompt + workload.n_gen
+    if working_set is None or placement.gpu_need(shape, defaults, n_ctx).total <= working_set:
+        return []
+    whole = next((replace(defaults, n_gpu_layers=n) for n in range(shape.n_layer, 0, -1)
+                  if placement.gpu_need(shape, replace(defaults, n_gpu_layers=n), n_ctx).total
+                  <= working_set - placement.FIT_MARGIN_BYTES), None)
+    return [placement.fit(shape, defaults, n_ctx, working_set), whole]
 
 
 def variant_space(chip, shape, variant: str, objective: str, workload: Workload) -> SearchSpace:
