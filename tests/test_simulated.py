@@ -240,3 +240,96 @@ def test_shape_from_the_real_gguf(model_path):
     shape = simulated.shape_from_gguf(str(model_path))
     assert (shape.n_layer, shape.n_embd, shape.n_vocab) == (30, 576, 49152)
     assert shape.n_params == pytest.approx(134.5e6, rel=0.05)
+
+
+# predict's output before the constants became an argument (HEAD 8d727de): the default truth must
+# reproduce them to the last bit
+TODAY = [
+    ("M2 Ultra/76/192", "llama2-7b", "q4_0", BenchParams(24, 8, 512, 512), 0, "seed",
+     873.4252320375767, 61.25704218912856),
+    ("M1/8/16", "llama3-8b", "q4_k_m", BenchParams(20, 6, 256, 128, flash_attn="on", n_threads_batch=8, type_k="q8_0",
+                                                   type_v="q4_0", op_offload=False), 4096, "calibrated",
+     15.442623605854992, 3.7795562204784847),
+    ("M2 Pro/19/16", "qwen3-30b-a3b", "q4_k_m", BenchParams(49, 12, 512, 512, flash_attn="auto", n_cpu_moe=20), 0,
+     "calibrated", 582.1791292471662, 20.210269644892307),
+    ("M4/10/16", "gemma2-2b", "q8_0", BenchParams(99, 14, 2048, 512, flash_attn="on", n_threads_batch=3), 512, "seed",
+     130.78325688691868, 6.437890169837887),
+    ("M3 Max/40/64", "qwen3-14b", "q8_0", BenchParams(0, 11, 512, 64, flash_attn="off"), 0, "calibrated",
+     239.89084500624926, 7.342907769706584),
+]
+
+
+def test_the_default_truth_reproduces_todays_predictions_exactly():
+    default = simulated.calibrated_constants()
+    assert default == simulated.ModelConstants(simulated.fitted_constants(), simulated.fitted_dims())
+    assert (default.cpu_bytes_per_s_per_ghz, default.cpu_flops_per_ghz, default.e_core_speed,
+            default.cpu_bandwidth_share, default.oversubscribed_penalty) == (
+        simulated.CPU_BYTES_PER_S_PER_GHZ, simulated.CPU_FLOPS_PER_GHZ, simulated.E_CORE_SPEED,
+        simulated.CPU_BANDWIDTH_SHARE, simulated.OVERSUBSCRIBED_PENALTY)
+    for chip, name, quant, params, depth, scenario, pp, tg in TODAY:
+        for constants in (None, default):
+            pred = predict(parse_chip(chip), model_shape(name, quant), params, 512, 128, scenario, depth=depth,
+                           constants=constants)
+            assert (pred.pp_tps, pred.tg_tps) == (pp, tg), (chip, name, constants)
+    chip = parse_chip("M1 Max/32/64")
+    plain = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=1).measure(_spec())
+    given = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=1, constants=default).measure(_spec())
+    assert [s.seconds for s in plain.samples] == [s.seconds for s in given.samples]
+
+
+def test_a_perturbed_truth_is_seeded_and_moves_every_constant_within_the_spread():
+    default = simulated.calibrated_constants()
+    a, b, other = default.perturbed(3), default.perturbed(3), default.perturbed(4)
+    assert a == b and a != other  # the same seed, the same truth
+    assert default.perturbed(3, spread=0.0).leaves() == default.leaves()
+    assert len(default.leaves()) == 23  # 10 GPU, 5 newer-dimension, 5 CPU constants, contention, hand-over, M5's tier
+    ratios = []
+    for seed in range(20):
+        moved = default.perturbed(seed).leaves()
+        assert moved.keys() == default.leaves().keys()
+        ratios += [moved[k] / v for k, v in default.leaves().items()]
+    assert all(0.85 <= r <= 1.15 and r != 1.0 for r in ratios)
+    assert min(ratios) < 0.87 and max(ratios) > 1.13  # the whole spread is drawn
+    assert default.perturbed(3, spread=0.05).leaves().keys() == a.leaves().keys()
+    assert all(0.95 <= x / v <= 1.05 for x, v in zip(default.perturbed(3, spread=0.05).leaves().values(),
+                                                      default.leaves().values(), strict=True))
+    node = SimulatedNode(parse_chip("M1 Max/32/64"), shape_for=simulated.shape_for_path, seed=1, constants=a)
+    result = node.measure(_spec())
+    assert "perturbed truth 3" in result.backend_info
+    truth = predict(parse_chip("M1 Max/32/64"), model_shape("llama2-7b", "q4_0"), BenchParams(99, 4, 512, 512),
+                    constants=a).tg_tps
+    assert truth != predict(parse_chip("M1 Max/32/64"), model_shape("llama2-7b", "q4_0"), BenchParams(99, 4, 512, 512)).tg_tps
+    assert result.tg.median == pytest.approx(truth, rel=0.1)
+
+
+def test_every_constant_of_the_truth_reaches_the_prediction():
+    """Each constant alone moved by 10 % changes some prediction: none is held but unused."""
+    cases = [  # full offload of each quant class, partial offload on P- and E-cores and beyond,
+        # CPU only, flash attention off and on at a depth, a model without a GPU kernel, experts
+        (parse_chip(c), model_shape(m, q), p, depth)
+        for c, m, q, p, depth in [
+            ("M2 Max/38/64", "llama2-7b", quant, BenchParams(99, 4, 512, 512), 0) for quant in ("f16", "q8_0", "q4_0")
+        ] + [
+            ("M2 Pro/19/32", "llama2-7b", "q4_0", BenchParams(16, t, 512, 512, op_offload=False), 0)
+            for t in (2, 8, 11, 16)
+        ] + [
+            ("M2 Pro/19/32", "llama2-7b", "q4_0", BenchParams(0, 8, 512, 512), 0),
+            ("M2 Max/38/64", "llama3-8b", "q4_0", BenchParams(99, 4, 512, 512, flash_attn="off"), 4096),
+            ("M2 Max/38/64", "llama3-8b", "q4_0", BenchParams(99, 4, 512, 512, flash_attn="on"), 4096),
+            ("M3 Max/40/64", "gemma2-2b", "q8_0", BenchParams(99, 4, 512, 512, flash_attn="on"), 0),
+            ("M2 Pro/19/16", "qwen3-30b-a3b", "q4_k_m", BenchParams(49, 8, 512, 512, n_cpu_moe=20), 0),
+            ("M5 Max/40/64", "llama2-7b", "q4_0", BenchParams(0, 12, 512, 512), 0),  # the performance cores
+        ]
+    ]
+
+    def outputs(constants):
+        return [(pred.pp_tps, pred.tg_tps) for chip, shape, params, depth in cases for scenario in simulated.SCENARIOS
+                for pred in [predict(chip, shape, params, 512, 128, scenario, depth=depth, constants=constants)]]
+
+    default = simulated.calibrated_constants()
+    today = outputs(default)
+    for i, name in enumerate(default.leaves()):
+        factors = iter([1.1 if j == i else 1.0 for j in range(len(default.leaves()))])
+        one = simulated._scaled(default, factors.__next__)
+        assert [k for k, v in one.leaves().items() if v != default.leaves()[k]] == [name]
+        assert outputs(one) != today, f"{name} changes no prediction"

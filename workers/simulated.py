@@ -37,7 +37,9 @@ The GPU constants are fitted by least squares on public llama-bench results for 
 (``data/llamacpp_apple_m1_m2.csv``) in physical units (bandwidth, cores x clock); M3 and M4 follow
 from their own bandwidth, cores and clocks. The constants of the newer dimensions (flash attention,
 depth, experts) are fitted one each on the public rows of ``data/llamacpp_apple_dims.csv``
-(``fitted_dims``); docs/benchmarks.md says which dimension rests on which row.
+(``fitted_dims``); docs/benchmarks.md says which dimension rests on which row. ``ModelConstants``
+holds every constant ``predict`` uses (default: these); ``ModelConstants.perturbed`` moves each by a
+seeded factor, a simulated truth the calibrated model's prediction does not know exactly.
 
 Scenarios: ``calibrated`` (default: llama.cpp runs CPU and GPU parts in sequence; full offload wins
 on Apple Silicon) and ``seed`` (strong contention, CPU and GPU work overlapping, CPU threads
@@ -51,7 +53,7 @@ import csv
 import math
 import random
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from functools import cache
 from importlib import resources
 
@@ -394,7 +396,7 @@ class Prediction:
         return asdict(self)
 
 
-def _thread_speed(chip: Fingerprint, threads: int) -> float:
+def _thread_speed(chip: Fingerprint, threads: int, m: ModelConstants) -> float:
     """Aggregate speed of ``threads`` in P-core units, as the slowest thread sets the pace.
 
     Threads fill the fastest cores first: P (super) cores, then a second tier of performance cores
@@ -406,11 +408,11 @@ def _thread_speed(chip: Fingerprint, threads: int) -> float:
     if threads <= chip.p_cores:
         return float(threads)
     if threads <= chip.p_cores + m_cores:
-        return threads * M_CORE_SPEED
-    slowest = M_CORE_SPEED if m_cores and not chip.e_cores else E_CORE_SPEED
+        return threads * m.m_core_speed
+    slowest = m.m_core_speed if m_cores and not chip.e_cores else m.e_core_speed
     if threads <= cores:
         return threads * slowest
-    return cores * slowest / OVERSUBSCRIBED_PENALTY * cores / threads
+    return cores * slowest / m.oversubscribed_penalty * cores / threads
 
 
 CAL_PP_CTX = 256  # mean position a pp512 token attends to: the context of the fitted constants
@@ -427,6 +429,88 @@ class DimConstants:
     nofa_pp_cycles_per_score: float = 0.0  # GPU core-cycles per head x position score without FA (pp)
     fa_cpu_handover_s: float = 0.0  # one GPU<->CPU hand-over of an attention op the GPU cannot run
     moe_tg_s_per_layer: float = 0.0  # expert routing and gathering per layer per token (tg)
+
+
+@dataclass(frozen=True)
+class ModelConstants:
+    """Every fitted or modelled constant ``predict`` uses: the simulator's truth.
+
+    ``calibrated_constants()`` is the calibrated model (the module's constants, the fitted GPU and
+    newer-dimension constants); a ``SimulatedNode`` or ``predict`` given none uses it. ``perturbed``
+    moves each constant by a seeded factor: a truth that differs from the calibrated model's
+    prediction, within its measured error (bench/search_efficiency.py --truths). The scenario's
+    contention and hand-over time are scaled by factors (1: the scenario's own).
+    """
+
+    gpu: GpuConstants
+    dims: DimConstants
+    cpu_bytes_per_s_per_ghz: float = CPU_BYTES_PER_S_PER_GHZ
+    cpu_flops_per_ghz: float = CPU_FLOPS_PER_GHZ
+    e_core_speed: float = E_CORE_SPEED
+    cpu_bandwidth_share: float = CPU_BANDWIDTH_SHARE
+    oversubscribed_penalty: float = OVERSUBSCRIBED_PENALTY
+    contention_factor: float = 1.0  # the scenario's ``contention`` and ``cpu_contention`` x this
+    handover_factor: float = 1.0  # the scenario's ``handover_s`` x this
+    m_core_speed: float = M_CORE_SPEED  # last: the factors drawn for the others stay as they were
+    label: str = "calibrated"  # what this truth is, for the node's backend_info
+
+    def scenario(self, sc: Scenario) -> Scenario:
+        """The scenario as this truth runs it."""
+        if (self.contention_factor, self.handover_factor) == (1.0, 1.0):
+            return sc
+        return replace(sc, contention=sc.contention * self.contention_factor,
+                       cpu_contention=sc.cpu_contention * self.contention_factor,
+                       handover_s=sc.handover_s * self.handover_factor)
+
+    def leaves(self) -> dict[str, float]:
+        """Every constant by a dotted name ("gpu.dequant_s_per_param_core_ghz.q4"), in a fixed order."""
+        return dict(_leaves(self))
+
+    def perturbed(self, seed: int, spread: float = 0.15) -> ModelConstants:
+        """Each constant (every entry of the dicts too) times its own factor drawn uniformly in
+        [1 - spread, 1 + spread] from ``seed``: the same seed gives the same truth."""
+        rng = random.Random(f"perturbed:{seed}")
+        return replace(_scaled(self, lambda: 1 + spread * (2 * rng.random() - 1)),
+                       label=f"perturbed truth {seed} (+-{spread:.0%})")
+
+
+def _leaves(obj, prefix: str = ""):
+    """(name, value) of every float inside a constants dataclass, depth first, in field order."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            yield prefix + f.name, value
+        elif isinstance(value, dict):
+            yield from ((f"{prefix}{f.name}.{key}", v) for key, v in value.items())
+        elif is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+
+
+def _scaled(obj, factor):
+    """A copy of a constants dataclass with every float multiplied by ``factor()`` (in _leaves' order)."""
+    changes = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            changes[f.name] = value * factor()
+        elif isinstance(value, dict):
+            changes[f.name] = {key: v * factor() for key, v in value.items()}
+        elif is_dataclass(value):
+            changes[f.name] = _scaled(value, factor)
+    return replace(obj, **changes)
+
+
+@cache
+def calibrated_constants() -> ModelConstants:
+    """The calibrated model's constants: what every prediction uses unless given others."""
+    return ModelConstants(fitted_constants(), fitted_dims())
+
+
+def _constants(constants: ModelConstants | None, dims: DimConstants | None) -> ModelConstants:
+    """The constants ``predict`` uses; ``dims`` (the newer dimensions' fit) overrides theirs."""
+    if constants is None:  # while fitted_dims runs, its partial constants without the finished fit
+        return calibrated_constants() if dims is None else ModelConstants(fitted_constants(), dims)
+    return constants if dims is None else replace(constants, dims=dims)
 
 
 def _flash(params: BenchParams, shape: ModelInfo, on_gpu: bool) -> str:
@@ -457,12 +541,14 @@ def effective_params(params: BenchParams, shape: ModelInfo, workload: Workload) 
 def predict(
     chip: Fingerprint, shape: ModelInfo, params: BenchParams, n_prompt: int = 512, n_gen: int = 128,
     scenario: str = "calibrated", depth: int = 0, dims: DimConstants | None = None,
+    constants: ModelConstants | None = None,
 ) -> Prediction:
     """Noiseless pp and tg tokens/s of one configuration (ngl beyond the model = full offload),
-    measured after ``depth`` tokens already in the KV cache."""
-    sc = SCENARIOS[scenario]
-    k = fitted_constants()
-    d = dims if dims is not None else fitted_dims()
+    measured after ``depth`` tokens already in the KV cache. ``constants``: the truth predicted
+    (default: the calibrated model's, ``calibrated_constants()``)."""
+    m = _constants(constants, dims)
+    sc = m.scenario(SCENARIOS[scenario])
+    k, d = m.gpu, m.dims
     L = shape.n_layer
     gpu_layers, out_on_gpu = placement.gpu_layers(shape, params)  # ngl beyond the model: the output too
     cpu_layers = L - gpu_layers
@@ -494,10 +580,10 @@ def predict(
     core_ghz = chip.gpu_cores * GPU_CLOCK_GHZ[chip.generation] * 1e9
     qc = QUANT_CLASS[shape.quant]
     threads = params.n_threads
-    speed_tg = _thread_speed(chip, threads)
-    speed_pp = _thread_speed(chip, params.threads_batch)
+    speed_tg = _thread_speed(chip, threads, m)
+    speed_pp = _thread_speed(chip, params.threads_batch, m)
     cpu_ghz = CPU_CLOCK_GHZ[chip.generation]
-    cpu_bw = bw * CPU_BANDWIDTH_SHARE
+    cpu_bw = bw * m.cpu_bandwidth_share
     fa_gpu = _flash(params, shape, on_gpu=True)
 
     # contention: active P-core threads take a share of the bandwidth from the GPU
@@ -528,7 +614,7 @@ def predict(
     t_cpu = 0.0
     if cpu_bytes:
         read = cpu_bytes + cpu_kv
-        t_cpu = max(read / (speed_tg * sc.cpu_speed * CPU_BYTES_PER_S_PER_GHZ * cpu_ghz), read / cpu_bw)
+        t_cpu = max(read / (speed_tg * sc.cpu_speed * m.cpu_bytes_per_s_per_ghz * cpu_ghz), read / cpu_bw)
         t_cpu /= 1 - (sc.cpu_contention if gpu_layers else 0.0)
     handovers = 0 if gpu_layers == 0 or out_on_gpu else 2
     if out_on_gpu and cpu_layers:
@@ -565,7 +651,7 @@ def predict(
         weight_flops, pp_handovers = 0.0, handovers + 2 * cpu_layers
     cpu_pp_flops = weight_flops + cpu_layers * attn_flops * max(ctx_pp - CAL_PP_CTX, 0) + cpu_attn_flops
     if cpu_pp_flops:
-        p_cpu = cpu_pp_flops / (speed_pp * sc.cpu_speed * CPU_FLOPS_PER_GHZ * cpu_ghz)
+        p_cpu = cpu_pp_flops / (speed_pp * sc.cpu_speed * m.cpu_flops_per_ghz * cpu_ghz)
         if weight_flops:
             p_cpu += shape.bytes_of(cpu_pp_params) / cpu_bw / ub
     t_pp = (1 - sc.overlap) * (p_gpu + p_cpu) + sc.overlap * max(p_gpu, p_cpu) + pp_handovers * sc.handover_s / ub
@@ -624,12 +710,14 @@ class SimulatedNode:
     speed: float = 1.0  # relative to a healthy machine of the chip
     seed: int = 0
     trial_s: float | None = None  # every trial takes exactly this long (dispatch benchmarks)
+    constants: ModelConstants | None = None  # the truth it measures (None: the calibrated model)
 
     THROTTLE_AFTER_S = 120.0
     THROTTLE_FACTOR = 0.75
 
     def backend_info(self) -> str:
-        return f"simulated {self.chip.label} ({self.scenario} scenario)"
+        truth = f", {self.constants.label}" if self.constants is not None else ""
+        return f"simulated {self.chip.label} ({self.scenario} scenario{truth})"
 
     def measure(self, spec) -> TrialResult:
         import time
@@ -651,7 +739,7 @@ class SimulatedNode:
             return TrialResult.failure(spec.trial_key, "a served trial on a simulated Mac is measured by "
                                        "workers.simulated_served.measure", FailureKind.WORKER_ERROR, simulated=True)
         pred = predict(self.chip, shape, spec.params, w.n_prompt, w.n_gen, self.scenario,
-                       depth=getattr(w, "depth", 0))
+                       depth=getattr(w, "depth", 0), constants=self.constants)
         if not pred.fits:
             return TrialResult.failure(spec.trial_key, pred.reason, FailureKind.OUT_OF_MEMORY, simulated=True,
                                        started_at=started, finished_at=time.time())
