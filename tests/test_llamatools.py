@@ -358,3 +358,23 @@ def test_the_fit_target_makes_llama_cpp_plan_for_the_budget():
     assert llamatools.fit_target_mib(4 * gib, 8 * gib) == 0  # less free than the budget: the default margin is moot
     argv = llamatools.fit_params_argv("llama-fit-params", "m.gguf", 640, 1024)
     assert argv[argv.index("-fitc") + 1] == "640" and argv[argv.index("-fitt") + 1] == "1024"
+
+
+def test_llama_fit_params_places_the_real_model_and_the_referee_runs_it(llama_bench, model_path, tmp_path):
+    """llama-fit-params of fleettune's build prints its placement (on a CPU build: every layer asked,
+    nothing to move), and bench/fit_referee.py measures it against a configuration with llama-bench."""
+    import subprocess
+    import sys
+
+    fitter = require_llama_tool("llama-fit-params")
+    placed = llamatools.run_fit_params(llamatools.fit_params_argv(fitter, str(model_path), 96))
+    assert placed.n_ctx == 96 and placed.overrides == ()
+    report = tmp_path / "referee.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fit_referee.py"), "--model", str(model_path),
+                           "--budget", "1GiB", "--config", "one=-t 1", "--tests", "pp32,tg8", "--rounds", "2",
+                           "-r", "1", "--llama-bench", llama_bench, "--fit-params", fitter, "--json", str(report)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(report.read_text())["tests"]
+    assert rows["pp32"]["one"]["median"] > 0 and rows["tg8"]["llama.cpp --fit"]["median"] > 0
+    assert rows["tg8"]["one"]["vs_fit"]["text"]  # a ratio with its interval, from the paired rounds
