@@ -51,6 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.serve_load import stop_process  # noqa: E402 (after the path is set)
+
 FAKE = ROOT / "bench" / "fake_openai_server.py"
 CGROUP = Path("/sys/fs/cgroup/cpuacct")
 MODEL = "smollm2"
@@ -109,13 +114,7 @@ class FakeServer:
         return self.call("/count")["completed"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 # -- CPU of a command and everything it starts

@@ -11,9 +11,22 @@ drop no request, and no request may cut another: rule 2 of issue 24).
 from __future__ import annotations
 
 import itertools
+import signal
 import socket
+import subprocess
 import threading
 import time
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``grace_s``; waited for either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace_s)
 
 
 def port_free(port: int) -> bool:

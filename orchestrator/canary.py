@@ -108,14 +108,10 @@ def probe_interleaved(applier: Applier, node_ids: list[str], n_prompt: int, n_ge
         for node_id in node_ids[shift:] + node_ids[:shift]:
             if node_id in refused:
                 continue
-            try:
-                out = applier.probe(node_id, n_prompt, n_gen, 1, first=round_no)
-            except Exception as exc:  # noqa: BLE001 - a node lost mid-analysis: no figures from it
-                out = {"served": False, "error": f"{type(exc).__name__}: {exc}"}
-            if not out.get("served"):
-                refused[node_id] = out
+            out = canaryload.node_answer(lambda n=node_id, r=round_no: applier.probe(n, n_prompt, n_gen, 1, first=r),
+                                         node_id, refused, versions)
+            if out is None:
                 continue
-            versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
             results = [RequestResult(**r) for r in out.get("results", [])]
             samples[node_id] += results if round_no else [r for r in results if not r.ok]
     return _summaries(samples, versions, refused, n_prompt)

@@ -164,16 +164,26 @@ def load_rounds(load: Callable[[str, int, int], dict], node_ids: list[str],
                 return summaries
             futures = {n: pool.submit(load, n, node_ids.index(n), round_no) for n in live}
             for node_id, future in futures.items():
-                try:
-                    out = future.result()
-                except Exception as exc:  # noqa: BLE001 - a node lost mid-analysis: no figures from it
-                    out = {"served": False, "error": f"{type(exc).__name__}: {exc}"}
-                if not out.get("served"):
-                    refused[node_id] = out
-                    continue
-                versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
-                taken[node_id] += [RequestRecord.from_dict(r) for r in out.get("records", [])]
+                out = node_answer(future.result, node_id, refused, versions)
+                if out is not None:
+                    taken[node_id] += [RequestRecord.from_dict(r) for r in out.get("records", [])]
     return summarise(taken, versions, refused)
+
+
+def node_answer(call: Callable[[], dict], node_id: str, refused: dict[str, dict],
+                versions: dict[str, set]) -> dict | None:
+    """One node's answer in a round of an analysis, with the config versions it served noted; None
+    where it gave no figures (a node lost mid-analysis, or one that did not serve: it is then in
+    ``refused`` with why, and asked nothing more)."""
+    try:
+        out = call()
+    except Exception as exc:  # noqa: BLE001 - a node lost mid-analysis: no figures from it
+        out = {"served": False, "error": f"{type(exc).__name__}: {exc}"}
+    if not out.get("served"):
+        refused[node_id] = out
+        return None
+    versions[node_id] |= {out.get("config_version"), out.get("config_version_after")}
+    return out
 
 
 def _full(taken: dict[str, list[RequestRecord]], node_ids: list[str], max_points: int) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve_load import stop_process
 from workers.errors import BadInput
 from workers.loadgen import (
     CUT,
@@ -74,13 +75,7 @@ class Fake:
             return json.load(response)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self.proc.stdout.close()
 
 

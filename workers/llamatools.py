@@ -308,17 +308,24 @@ def parse_llama_bench_json(text: str) -> dict[str, float]:
             for row in rows}
 
 
-def run_llama_bench(argv: list[str], timeout_s: float = 1800) -> dict[str, float]:
-    """Run one llama-bench command and read its JSON; a failure is a ToolError with its last line."""
+def run_tool(name: str, argv: list[str], timeout_s: float) -> str:
+    """Run one of llama.cpp's tools and return its stdout; a failure (an exit status, a timeout) is a
+    ToolError with the tool's last line of stderr."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        raise ToolError(f"llama-bench did not finish within {timeout_s:.0f} s") from None
+        raise ToolError(f"{name} did not finish within {timeout_s:.0f} s") from None
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise ToolError(f"llama-bench exited with {done.returncode}: {tail[0]}")
+        raise ToolError(f"{name} exited with {done.returncode}: {tail[0]}")
+    return done.stdout
+
+
+def run_llama_bench(argv: list[str], timeout_s: float = 1800) -> dict[str, float]:
+    """Run one llama-bench command and read its JSON; a failure is a ToolError with its last line."""
+    stdout = run_tool("llama-bench", argv, timeout_s)
     try:
-        return parse_llama_bench_json(done.stdout)
+        return parse_llama_bench_json(stdout)
     except (ValueError, KeyError, TypeError) as exc:
         raise ToolError(f"llama-bench's output is not its JSON: {exc}") from None
 
@@ -405,11 +412,4 @@ def parse_fit_params(stdout: str) -> FitPlacement:
 
 def run_fit_params(argv: list[str], timeout_s: float = 600) -> FitPlacement:
     """Run llama-fit-params; a failure (it could not fit even the CPU share) is a ToolError."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        raise ToolError(f"llama-fit-params did not finish within {timeout_s:.0f} s") from None
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise ToolError(f"llama-fit-params exited with {done.returncode}: {tail[0]}")
-    return parse_fit_params(done.stdout)
+    return parse_fit_params(run_tool("llama-fit-params", argv, timeout_s))
