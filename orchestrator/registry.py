@@ -31,8 +31,8 @@ def register(db: Database, path: str | os.PathLike, *, write: bool = True) -> Mo
     with db.session() as s:
         known = repo.model_by_path(s, str(file))
         if known and known.path_mtime == mtime and known.size_bytes == file.stat().st_size:
-            info = repo.model_info_of(known)
-            return ModelInfo(**{**info.to_dict(), "path": str(file)})
+            # a row keeps no shape (heads, experts): the file's metadata gives it, its hash is kept
+            return read_model_info(file, sha256=known.sha256)
     info = read_model_info(file)  # raises BadInput before anything is written
     if write:
         with db.session() as s:
@@ -79,7 +79,7 @@ def resolve(db: Database, ref: str, *, write: bool = False) -> ModelInfo:
         return sim_model_info(info.path)
     if not info.path or not Path(info.path).is_file():
         raise BadInput(f"model {info.name} ({info.sha256[:12]}) is registered but its file is gone: {info.path}")
-    return info
+    return read_model_info(info.path, sha256=info.sha256)
 
 
 def fetch(db: Database, name: str, dest: str | os.PathLike | None = None) -> ModelInfo:

@@ -146,3 +146,19 @@ def test_the_plans_have_the_published_sizes(name, published, active, outputs):
     assert all(t.experts == shape.n_expert for t in experts)
     if active:
         assert shape.n_layer * shape.active_layer_params + outputs * shape.output_params == pytest.approx(active, rel=0.03)
+
+
+def test_a_registered_model_resolves_with_its_shape_by_path_name_and_prefix(tmp_path, model_path):
+    """The second study of a registered mixture of experts (the H200 run of issue 23: the first
+    study registered the file, the second's --fit estimate found no heads) gets its shape from the
+    file again, with the stored hash: by path, by name and by sha256 prefix."""
+    from orchestrator import registry
+    from orchestrator.db import open_database
+
+    db = open_database(f"sqlite:///{tmp_path / 'results.db'}")
+    out = tmp_path / "tiny-moe.gguf"
+    first = registry.synth(db, "tiny-moe", "q4_0", out, vocab_from=str(model_path), seed=1)
+    again = [registry.resolve(db, str(out)), registry.resolve(db, first.name), registry.resolve(db, first.sha256[:8])]
+    for info in again:
+        assert info == first
+        assert info.n_expert == ARCH_SHAPES["tiny-moe"].n_expert and info.n_head
