@@ -68,7 +68,10 @@ import json, pathlib, sys
 w = pathlib.Path(sys.argv[1])
 out = {}
 for f in sorted(w.glob("*.referee.json")) + sorted(w.glob("*.outcome.json")):
-    out[f.name] = json.loads(f.read_text())
+    try:  # a study that failed leaves an empty outcome: say so, keep the others
+        out[f.name] = json.loads(f.read_text())
+    except ValueError as exc:
+        out[f.name] = {"unreadable": str(exc)}
 print(json.dumps(out, indent=1))
 PY
     for f in env.txt hw.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"; done
