@@ -267,10 +267,11 @@ def test_the_default_truth_reproduces_todays_predictions_exactly():
         simulated.CPU_BYTES_PER_S_PER_GHZ, simulated.CPU_FLOPS_PER_GHZ, simulated.E_CORE_SPEED,
         simulated.CPU_BANDWIDTH_SHARE, simulated.OVERSUBSCRIBED_PENALTY)
     for chip, name, quant, params, depth, scenario, pp, tg in TODAY:
-        for constants in (None, default):
-            pred = predict(parse_chip(chip), model_shape(name, quant), params, 512, 128, scenario, depth=depth,
-                           constants=constants)
-            assert (pred.pp_tps, pred.tg_tps) == (pp, tg), (chip, name, constants)
+        preds = [predict(parse_chip(chip), model_shape(name, quant), params, 512, 128, scenario, depth=depth,
+                         constants=constants) for constants in (None, default)]
+        assert preds[0] == preds[1], (chip, name)  # the default truth is today's model, bit for bit
+        # and today's figures, but for the last bits of a sum, whose order differs between CPUs
+        assert (preds[0].pp_tps, preds[0].tg_tps) == (pytest.approx(pp, rel=1e-12), pytest.approx(tg, rel=1e-12)), chip
     chip = parse_chip("M1 Max/32/64")
     plain = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=1).measure(_spec())
     given = SimulatedNode(chip, shape_for=simulated.shape_for_path, seed=1, constants=default).measure(_spec())
