@@ -24,7 +24,6 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.pairedstats import ratio_interval  # noqa: E402
 from orchestrator.verify import rotation  # noqa: E402
-from workers import llamatools, placement  # noqa: E402
+from workers import hardware, llamatools, placement  # noqa: E402
 from workers.errors import BadInput  # noqa: E402
 
 FIT = "llama.cpp --fit"
@@ -71,28 +70,19 @@ class PeakMemory:
 
 
 def _gpu_used_mib() -> int | None:
-    return _nvidia_smi("memory.used")
-
-
-def _gpu_free_bytes() -> int | None:
-    free = _nvidia_smi("memory.free")
-    return None if free is None else free * llamatools.MIB
-
-
-def _nvidia_smi(field: str) -> int | None:
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return int(out.strip().splitlines()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
+    return hardware.nvidia_smi_mib("memory.used")
 
 
 def fit_placement(fit_params: str, model: str, n_ctx: int, budget: int) -> llamatools.FitPlacement:
-    """llama.cpp's --fit placement for ``budget`` bytes of the device (the first GPU)."""
-    free = _gpu_free_bytes()
-    target = llamatools.fit_target_mib(free, budget, placement.FIT_MARGIN_BYTES) if free else None
-    return llamatools.run_fit_params(llamatools.fit_params_argv(fit_params, model, n_ctx, target))
+    """llama.cpp's --fit placement for ``budget`` bytes of the device (the first GPU); where
+    nvidia-smi gives no free memory (no NVIDIA GPU) it plans for the device as llama.cpp sees it,
+    and says so."""
+    free = hardware.nvidia_smi_mib("memory.free")
+    if free is None:
+        print("no free GPU memory from nvidia-smi: --fit plans for the whole device, not the budget",
+              file=sys.stderr)
+        return placement.llama_fit(fit_params, model, n_ctx, None)
+    return placement.llama_fit(fit_params, model, n_ctx, budget, free * llamatools.MIB)
 
 
 def bench_argv(binary: str, model: str, flags: list[str], test: str, reps: int, depth: int = 0) -> list[str]:

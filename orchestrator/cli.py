@@ -683,6 +683,7 @@ BEST_COLUMNS = [
 
 # what a study claims, printed under each recommendation (issue 20.3)
 CLAIM_LINES = (("outcome", "outcome"), ("vs_llama_cpp", "vs llama.cpp's defaults"), ("vs_fit", "vs llama.cpp's --fit"),
+               ("fit_source", "--fit placed by"),
                ("vs_llama_cpp_python", "vs llama-cpp-python's defaults"),
                ("vs_single_stream", "vs the single-stream recommendation"), ("noise_aa", "noise (A/A)"),
                ("kl_divergence", "KL divergence vs f16 cache"))

@@ -404,6 +404,8 @@ def claim_fields(claims: dict | None) -> dict:
         out["vs_llama_cpp"] = vs[LLAMA_CPP]["text"]
     if FIT in vs:  # issue 23.3: llama.cpp's --fit placement under the study's GPU budget
         out["vs_fit"] = vs[FIT]["text"]
+    if claims.get("fit_source"):  # llama-fit-params on the node, or fleettune's estimate of it
+        out["fit_source"] = claims["fit_source"]
     if shown not in out and "best_candidate" in claims:
         out[shown] = f"best candidate: {claims['best_candidate']['text']}"
     if LLAMA_CPP_PYTHON in vs:

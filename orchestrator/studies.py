@@ -33,7 +33,7 @@ import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
-from orchestrator import learn, lease
+from orchestrator import dispatch, learn, lease
 from orchestrator.db import Database, repo
 from orchestrator.db.session import DatabaseUnavailable, engine_kwargs, retrying
 from orchestrator.db.storage import HeadStorage
@@ -50,11 +50,12 @@ from orchestrator.space import (
     predicted_optimum,
 )
 from orchestrator.stopping import StopRequest
-from workers import placement
+from workers import agent, placement
 from workers.errors import BadInput, FleettuneError
 from workers.hardware import Fingerprint
 from workers.knobs import SERVER_FIELDS
 from workers.knobs import check_on_node as validate_params
+from workers.llamatools import FitPlacement
 from workers.models import ModelInfo
 from workers.objective import CAPACITY, OBJECTIVES, TG, Objective, e2e_seconds, objective
 from workers.trial import (
@@ -76,6 +77,7 @@ AHEAD_EVERY = 2
 AHEAD_MAX = 128
 AHEAD_MIN_RUNNING = 32
 NO_NODE_GRACE_S = 30.0
+FIT_PLAN_TIMEOUT_S = 180.0  # llama-fit-params on a node: it loads no weights, only sizes them
 MAX_NODE_LOSSES = 3  # a configuration lost with this many nodes is failed, not measured again
 DEFAULT_TRIALS = 30
 ORPHANED = "orphaned: the driver stopped"
@@ -659,6 +661,7 @@ class StudyRunner:
         self.no_node_grace_s = NO_NODE_GRACE_S
         self.owner = lease.new_owner()
         self.finished_already = False  # a resumed study that had nothing left to do
+        self.fit_source: str | None = None  # where the --fit baseline's placement came from (issue 23.3)
         self._beat_at = 0.0
         self._best_at: int | None = None
         self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
@@ -719,16 +722,43 @@ class StudyRunner:
         """llama.cpp's ``--fit`` placement of its defaults for the study's GPU budget (the user's, or
         the GPU's working set), where the defaults do not fit it (issue 23.3); None where they fit
         (--fit changes nothing: one configuration, measured once) or the node has no GPU. The
-        placement is ``placement.fit``: llama.cpp's common/fit.cpp on fleettune's estimate."""
+        placement is llama.cpp's own (llama-fit-params on a node of the chip) where a node answers
+        with one, else ``placement.fit`` (common/fit.cpp on fleettune's estimate); ``fit_source``
+        says which, and why."""
         fp, w = self.target.fingerprint, self.cfg.workload
         room = budget or placement.gpu_working_set(fp)
         if not fp.gpu_offload or not room:
             return None
         defaults = self.baselines[learn.LLAMA_CPP]
-        fitted = placement.fit(self.cfg.model, defaults, w.depth + w.n_prompt + w.n_gen, room)
+        n_ctx = w.depth + w.n_prompt + w.n_gen
+        fitted = self._llama_fit(defaults, n_ctx, budget)
+        if fitted is None:
+            fitted = placement.fit(self.cfg.model, defaults, n_ctx, room)
         if fitted is None:  # not even one layer fits: everything on the CPU
             fitted = replace(defaults, n_gpu_layers=0, n_cpu_moe=0)
         return None if learn.config_key(fitted) == learn.config_key(defaults) else fitted
+
+    def _llama_fit(self, defaults: BenchParams, n_ctx: int, budget: int | None) -> BenchParams | None:
+        """``defaults`` placed by llama-fit-params on a node of the chip (``agent.plan_fit``), or
+        None where no node gives a placement: a simulated chip, no llama-fit-params there, no
+        cluster to ask."""
+        estimate = "fleettune's estimate of llama.cpp's --fit"
+        if self.target.simulated or not self.target.node_ids:
+            self.fit_source = f"{estimate} (no real node to ask)"
+            return None
+        node = next(iter(self.target.node_ids))
+        try:
+            answer = dispatch.ask_nodes(agent.plan_fit, [node], FIT_PLAN_TIMEOUT_S,
+                                        args=lambda _: (self.cfg.model.path, n_ctx, budget))[node]
+        except Exception as exc:  # noqa: BLE001 - no cluster to ask (a test's dispatcher): the estimate stands in
+            answer = exc
+        if isinstance(answer, Exception) or "error" in answer:
+            why = answer.get("error") if isinstance(answer, dict) else f"{type(answer).__name__}: {answer}"
+            self.fit_source = f"{estimate} ({why})"
+            return None
+        fitted = FitPlacement(int(answer["n_ctx"]), int(answer["n_gpu_layers"]), tuple(answer["overrides"]))
+        self.fit_source = f"llama-fit-params on node {node[:12]}: {' '.join(fitted.llama_bench_args())}"
+        return placement.from_llama_fit(fitted, defaults, self.cfg.model)
 
     def _study_rows(self, space: SearchSpace):
         """Create or take over the study's row; returns the row that existed, if one did."""
@@ -1233,7 +1263,10 @@ class StudyRunner:
     def _draft(self) -> learn.RecommendationDraft | None:
         records, _ = self._records()
         w = self.workload
-        return learn.recommend(records, self.objective, w.n_prompt, w.n_gen, self.baselines)
+        draft = learn.recommend(records, self.objective, w.n_prompt, w.n_gen, self.baselines)
+        if draft is not None and draft.claims and learn.FIT in self.baselines and self.fit_source:
+            draft.claims["fit_source"] = self.fit_source  # whose --fit the claims are over (issue 23.3)
+        return draft
 
     def _recommend(self) -> tuple[learn.RecommendationDraft | None, int | None]:
         draft = self._draft()

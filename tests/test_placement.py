@@ -4,6 +4,7 @@ user's budget checked against the device, and a study that never loads a configu
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import replace
 from functools import partial
 
@@ -15,7 +16,7 @@ from orchestrator.cli import main
 from orchestrator.db import open_database, repo
 from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunner
 from orchestrator.virtual import VirtualFleet
-from workers import placement, simulated
+from workers import llamatools, placement, simulated
 from workers.errors import BadInput
 from workers.hardware import GIB
 from workers.models import ARCH_SHAPES
@@ -202,8 +203,79 @@ def test_llama_cpps_defaults_over_a_budget_are_refused_before_loading_and_fit_is
     assert learn.LLAMA_CPP not in confirm_arms and {learn.FIT, learn.noise_arm(learn.FIT)} <= confirm_arms
     claims = outcome.recommendation.claims
     assert claims["reference"] == learn.FIT and learn.FIT in claims["vs"] or claims["winner"] == learn.FIT
+    assert claims["fit_source"] == "fleettune's estimate of llama.cpp's --fit (no real node to ask)"
     result = CliRunner().invoke(main, ["best", "--model", DENSE.path, "--db", sqlite_url, "--json"])
     assert result.exit_code == 0, result.output
+    assert json.loads(result.output)[0]["fit_source"] == claims["fit_source"]  # printed with the claims
+
+
+# llama-fit-params' placement of the synthetic Qwen3-30B-A3B Q4_0 for an 8 GiB budget on the H200
+# (docs/cuda-h200/issue23: pp512's, -fitc 512): layer 17 split (its ffn_down), 18-48 whole
+H200_FIT_OVERRIDES = (r"blk\.17\.ffn_down.*=CPU",
+                      *(rf"blk\.{n}\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU" for n in range(18, 49)))
+
+
+def test_llama_fit_params_placement_in_the_knob_tables_terms():
+    """llama.cpp's --fit keeps the last layers' experts on the CPU by -ot patterns; in knob terms
+    that is -ncmoe of as many layers (a split layer counted whole, so it never needs more GPU
+    memory than llama.cpp's own), every layer offloaded (issue 23.3)."""
+    moe = simulated.sim_model_info("sim://qwen3-30b-a3b/q4_0")
+    base = BenchParams(n_gpu_layers=moe.n_layer + 1, n_threads=16, n_batch=512, n_ubatch=512, flash_attn="auto")
+    fitted = llamatools.FitPlacement(512, 49, H200_FIT_OVERRIDES)
+    placed = placement.from_llama_fit(fitted, base, moe)
+    assert (placed.n_gpu_layers, placed.n_cpu_moe) == (49, 32)
+    assert replace(placed, n_gpu_layers=base.n_gpu_layers, n_cpu_moe=base.n_cpu_moe) == base  # nothing else moved
+    gpu = llamatools.FitPlacement(512, 49, ("blk.40.ffn_up_exps=CUDA0",))  # not a CPU buffer: not counted
+    assert placement.from_llama_fit(gpu, base, moe).n_cpu_moe == 0
+    dense = ARCH_SHAPES["qwen3-14b"]
+    split = llamatools.FitPlacement(512, 30, (r"blk\.29\.ffn_down=CPU",))  # a dense layer split: kept off
+    assert placement.from_llama_fit(split, base, dense).n_gpu_layers == 29
+    assert placement.from_llama_fit(llamatools.FitPlacement(512, 30), base, dense).n_gpu_layers == 30
+
+
+def test_a_node_plans_fit_with_its_own_llama_fit_params_or_says_why_not(monkeypatch):
+    from workers import agent
+
+    monkeypatch.setattr(llamatools, "find_tool", lambda name: None)
+    assert agent.plan_fit("/m.gguf", 640, 8 * GIB) == {"error": "no llama-fit-params on the node"}
+    monkeypatch.setattr(llamatools, "find_tool", lambda name: "/bin/true")
+    monkeypatch.setattr(placement, "nvidia_smi_mib", lambda field: None)
+    assert "free memory is unknown" in agent.plan_fit("/m.gguf", 640, 8 * GIB)["error"]  # -fitt cannot be set
+    seen = []
+    monkeypatch.setattr(placement, "run_fit_params", lambda argv: seen.append(argv) or llamatools.FitPlacement(640, 20))
+    monkeypatch.setattr(placement, "nvidia_smi_mib", lambda field: 100 * 1024)  # 100 GiB free
+    answer = agent.plan_fit("/m.gguf", 640, 8 * GIB)
+    assert answer == {"tool": "/bin/true", "n_ctx": 640, "n_gpu_layers": 20, "overrides": ()}
+    # it leaves free all the device has but the budget less --fit's 1 GiB margin: 100 - 8 + 1 GiB
+    assert seen[0][seen[0].index("-fitt") + 1] == str(93 * 1024) and seen[0][seen[0].index("-fitc") + 1] == "640"
+
+
+def test_a_real_chips_fit_baseline_is_llama_fit_params_on_its_node(sqlite_url, monkeypatch):
+    """Where a node of the chip answers with llama-fit-params' placement, the --fit baseline is
+    that placement and the claims say so; where none does, the estimate, with the reason."""
+    from orchestrator import studies
+
+    moe = simulated.sim_model_info("sim://qwen3-30b-a3b/q4_0")
+    config = StudyConfig(model=moe, workload=Workload(512, 0, 2), n_trials=4, sampler="tpe", seed=1)
+    fleet = VirtualFleet(CHIP, 1, trial_s=0.0)
+    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {"node-a": 1}),
+                      alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+    defaults = run.baselines[learn.LLAMA_CPP]
+    asked = []
+
+    def ask(function, node_ids, timeout_s, args):
+        asked.append((function.__name__, node_ids, args(node_ids[0])))
+        return {node_ids[0]: {"tool": "/x/llama-fit-params", "n_ctx": 512, "n_gpu_layers": 49,
+                              "overrides": list(H200_FIT_OVERRIDES)}}
+
+    monkeypatch.setattr(studies.dispatch, "ask_nodes", ask)
+    placed = run._fit_baseline(8 * GIB)
+    assert asked == [("plan_fit", ["node-a"], (moe.path, 512, 8 * GIB))]
+    assert (placed.n_gpu_layers, placed.n_cpu_moe) == (49, 32) and run.fit_source.startswith("llama-fit-params on node")
+    monkeypatch.setattr(studies.dispatch, "ask_nodes", lambda *a, **k: {"node-a": {"error": "no llama-fit-params on the node"}})
+    estimated = run._fit_baseline(8 * GIB)
+    assert estimated == placement.fit(moe, defaults, 512, 8 * GIB)
+    assert run.fit_source == "fleettune's estimate of llama.cpp's --fit (no llama-fit-params on the node)"
 
 
 def test_where_llama_cpps_defaults_fit_the_budget_fit_is_not_a_second_baseline(sqlite_url):

@@ -113,6 +113,23 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     return result
 
 
+def plan_fit(model_path: str, n_ctx: int, budget: int | None) -> dict:
+    """llama.cpp's ``--fit`` placement of ``model_path`` on this node for ``budget`` bytes of its GPU,
+    by the node's own ``llama-fit-params`` (issue 23.3): ``{"tool", "n_ctx", "n_gpu_layers",
+    "overrides"}``, or ``{"error": why}`` where it has none or it failed (the study then plans with
+    its estimate and says so)."""
+    from workers import llamatools, placement
+
+    tool = llamatools.find_tool("llama-fit-params")
+    if not tool:
+        return {"error": "no llama-fit-params on the node"}
+    try:
+        fitted = placement.llama_fit(tool, model_path, n_ctx, budget)
+    except llamatools.ToolError as exc:
+        return {"error": f"llama-fit-params: {exc}"}
+    return {"tool": tool, **asdict(fitted)}
+
+
 # ---------------------------------------------------------------- model push (head -> node)
 
 PART_SUFFIX = ".fleettune-push"  # a pushed model's temp file: ".NAME.<random>.fleettune-push"

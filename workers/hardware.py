@@ -308,6 +308,17 @@ def parse_cpuinfo(text: str) -> dict:
     return out
 
 
+def nvidia_smi_mib(field: str) -> int | None:
+    """One figure of the first NVIDIA GPU in MiB (``memory.used``, ``memory.free``); None where
+    there is no nvidia-smi or it says nothing usable."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(out.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def parse_nvidia_smi_csv(text: str) -> dict:
     """First GPU of ``nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv``."""
     rows = [r for r in csv.reader(text.strip().splitlines()) if r]

@@ -22,7 +22,14 @@ import re
 from dataclasses import dataclass, replace
 
 from workers.errors import BadInput
-from workers.hardware import GIB, Fingerprint
+from workers.hardware import GIB, Fingerprint, nvidia_smi_mib
+from workers.llamatools import (
+    FitPlacement,
+    ToolError,
+    fit_params_argv,
+    fit_target_mib,
+    run_fit_params,
+)
 from workers.models import ModelInfo
 from workers.trial import BenchParams
 
@@ -135,6 +142,47 @@ def fit(shape: ModelInfo, params: BenchParams, n_ctx: int, budget: float,
         return replace(params, n_gpu_layers=n_layer + 1, n_cpu_moe=cpu_moe)
     ngl = next((n for n in range(n_layer, 0, -1) if fits(n, all_experts)), 0)
     return replace(params, n_gpu_layers=ngl, n_cpu_moe=all_experts) if ngl else None
+
+
+def llama_fit(tool: str, model_path: str, n_ctx: int, budget: float | None,
+              free_bytes: int | None = None) -> FitPlacement:
+    """llama.cpp's own ``--fit`` placement (``llama-fit-params`` of the node's build) at a context of
+    ``n_ctx`` for ``budget`` bytes of the first GPU: told to leave free all but the budget less its
+    1 GiB margin (``-fitt``), since ggml sees the whole device whatever budget is set. Its margin
+    is counted from the device's free memory, the CUDA context included (about 530 MiB on the
+    H200), where ``fit`` above counts llama.cpp's buffers only. Without a budget it plans for the
+    device as llama.cpp sees it. ToolError: it failed, or a budget was given and the device's free
+    memory is unknown (no nvidia-smi: -fitt cannot be set)."""
+    target = None
+    if budget:
+        free = free_bytes if free_bytes is not None else _gpu_free_bytes()
+        if free is None:
+            raise ToolError("the device's free memory is unknown (no nvidia-smi): llama-fit-params "
+                            "cannot be told the budget")
+        target = fit_target_mib(free, int(budget), FIT_MARGIN_BYTES)
+    return run_fit_params(fit_params_argv(tool, model_path, n_ctx, target))
+
+
+def _gpu_free_bytes() -> int | None:
+    free = nvidia_smi_mib("memory.free")
+    return None if free is None else free * 1024**2
+
+
+_EXPERT_LAYER = re.compile(r"blk\\?\.(\d+)\\?\.ffn_")
+
+
+def from_llama_fit(fitted: FitPlacement, params: BenchParams, shape: ModelInfo) -> BenchParams:
+    """``params`` placed as llama-fit-params placed them, in the knob table's terms: its GPU layers,
+    and for a mixture of experts ``n_cpu_moe`` = the layers whose feed-forward tensors it keeps in
+    CPU buffers (``-ot blk.N.ffn_…=CPU``; a layer it splits counts whole, so the result never needs
+    more GPU memory than its own). A dense model's split layer stays on the CPU (one GPU layer
+    fewer). Only the placement changes: --fit leaves every other knob as given."""
+    on_cpu = {int(m.group(1)) for o in fitted.overrides if o.rpartition("=")[2].upper().startswith("CPU")
+              for m in [_EXPERT_LAYER.search(o)] if m}
+    if shape.n_expert:
+        return replace(params, n_gpu_layers=fitted.n_gpu_layers, n_cpu_moe=len(on_cpu))
+    ngl = fitted.n_gpu_layers - (1 if on_cpu else 0)
+    return replace(params, n_gpu_layers=max(ngl, 0), n_cpu_moe=0)
 
 
 def gpu_working_set(fp: Fingerprint) -> int | None:
