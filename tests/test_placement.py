@@ -231,6 +231,8 @@ def test_llama_fit_params_placement_in_the_knob_tables_terms():
     split = llamatools.FitPlacement(512, 30, (r"blk\.29\.ffn_down=CPU",))  # a dense layer split: kept off
     assert placement.from_llama_fit(split, base, dense).n_gpu_layers == 29
     assert placement.from_llama_fit(llamatools.FitPlacement(512, 30), base, dense).n_gpu_layers == 30
+    whole = llamatools.FitPlacement(512, dense.n_layer + 1)  # it all fits: the defaults as they are
+    assert placement.from_llama_fit(whole, base, dense) == placement.fit(dense, base, 512, 64 * GIB)
 
 
 def test_a_node_plans_fit_with_its_own_llama_fit_params_or_says_why_not(monkeypatch):

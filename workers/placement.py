@@ -179,6 +179,8 @@ def from_llama_fit(fitted: FitPlacement, params: BenchParams, shape: ModelInfo) 
     fewer). Only the placement changes: --fit leaves every other knob as given."""
     on_cpu = {int(m.group(1)) for o in fitted.overrides if o.rpartition("=")[2].upper().startswith("CPU")
               for m in [_EXPERT_LAYER.search(o)] if m}
+    if not on_cpu and fitted.n_gpu_layers > shape.n_layer:  # all of it on the GPU, as the defaults ask
+        return replace(params, n_gpu_layers=shape.n_layer + 1, n_cpu_moe=0)  # as ``fit`` says it
     if shape.n_expert:
         return replace(params, n_gpu_layers=fitted.n_gpu_layers, n_cpu_moe=len(on_cpu))
     ngl = fitted.n_gpu_layers - (1 if on_cpu else 0)
