@@ -79,7 +79,7 @@ def resolve(db: Database, ref: str, *, write: bool = False) -> ModelInfo:
         return sim_model_info(info.path)
     if not info.path or not Path(info.path).is_file():
         raise BadInput(f"model {info.name} ({info.sha256[:12]}) is registered but its file is gone: {info.path}")
-    return read_model_info(info.path, sha256=info.sha256)
+    return register(db, info.path, write=write)  # a file changed since is hashed again
 
 
 def fetch(db: Database, name: str, dest: str | os.PathLike | None = None) -> ModelInfo:

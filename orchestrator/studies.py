@@ -210,6 +210,7 @@ class ChipTarget:
     fingerprint: Fingerprint
     node_ids: dict[str, int]  # ray node id -> nodes.id
     simulated: bool = False
+    ray_nodes: tuple[str, ...] = ()  # the chip's Ray node ids, known before its rows are recorded
 
     @property
     def key(self) -> str:
@@ -662,6 +663,7 @@ class StudyRunner:
         self.owner = lease.new_owner()
         self.finished_already = False  # a resumed study that had nothing left to do
         self.fit_source: str | None = None  # where the --fit baseline's placement came from (issue 23.3)
+        self.fit_by_llama = False  # llama.cpp planned it: its own estimate is not second-guessed by ours
         self._beat_at = 0.0
         self._best_at: int | None = None
         self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
@@ -696,6 +698,8 @@ class StudyRunner:
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
         existing = retrying(lambda: self._study_rows(space), conflicts=True)
+        if existing is not None:
+            self._keep_first_fit()
         # Optuna creates its own tables on a database's first use: two drivers starting at once
         # race to stamp its version (a duplicate key for one of them); the second attempt finds it
         self.optuna_study = retrying(self._optuna_study, conflicts=True)
@@ -731,9 +735,10 @@ class StudyRunner:
             return None
         defaults = self.baselines[learn.LLAMA_CPP]
         n_ctx = w.depth + w.n_prompt + w.n_gen
-        fitted = self._llama_fit(defaults, n_ctx, budget)
-        if fitted is None:
-            fitted = placement.fit(self.cfg.model, defaults, n_ctx, room)
+        estimated = placement.fit(self.cfg.model, defaults, n_ctx, room)
+        if estimated is not None and learn.config_key(estimated) == learn.config_key(defaults):
+            return None  # they fit: nothing to ask a node
+        fitted = self._llama_fit(defaults, n_ctx, budget) or estimated
         if fitted is None:  # not even one layer fits: everything on the CPU
             fitted = replace(defaults, n_gpu_layers=0, n_cpu_moe=0)
         return None if learn.config_key(fitted) == learn.config_key(defaults) else fitted
@@ -743,10 +748,11 @@ class StudyRunner:
         None where no node gives a placement: a simulated chip, no llama-fit-params there, no
         cluster to ask."""
         estimate = "fleettune's estimate of llama.cpp's --fit"
-        if self.target.simulated or not self.target.node_ids:
+        nodes = self.target.ray_nodes or tuple(self.target.node_ids)
+        if self.target.simulated or not nodes:
             self.fit_source = f"{estimate} (no real node to ask)"
             return None
-        node = next(iter(self.target.node_ids))
+        node = nodes[0]
         try:
             answer = dispatch.ask_nodes(agent.plan_fit, [node], FIT_PLAN_TIMEOUT_S,
                                         args=lambda _: (self.cfg.model.path, n_ctx, budget))[node]
@@ -758,7 +764,22 @@ class StudyRunner:
             return None
         fitted = FitPlacement(int(answer["n_ctx"]), int(answer["n_gpu_layers"]), tuple(answer["overrides"]))
         self.fit_source = f"llama-fit-params on node {node[:12]}: {' '.join(fitted.llama_bench_args())}"
+        self.fit_by_llama = True
         return placement.from_llama_fit(fitted, defaults, self.cfg.model)
+
+    def _keep_first_fit(self) -> None:
+        """A resumed study keeps the --fit placement it measured first (the node's free memory, or
+        which planner answered, may differ now): one --fit baseline per study, the one its claims
+        and ``verify`` name."""
+        first = learn.stored_baselines(self._phase_trials("baseline")).get(learn.FIT)
+        if first is None:
+            return
+        now = self.baselines.get(learn.FIT)
+        if now is None or learn.config_key(first) != learn.config_key(now):
+            # (a resume without --gpu-budget plans for the working set: the stored budget's --fit stays)
+            self.fit_source = f"the placement this study measured first, kept on resume (now: {self.fit_source})"
+            self.fit_by_llama = False
+        self.baselines[learn.FIT] = first
 
     def _study_rows(self, space: SearchSpace):
         """Create or take over the study's row; returns the row that existed, if one did."""
@@ -946,6 +967,9 @@ class StudyRunner:
         """Why ``params`` must not be loaded (issue 23.1's GPU budget; a served config whose KV cache
         or weights cannot fit the node, issue 22.3), or None."""
         w, model, fp = self.cfg.workload, self.cfg.model, self.target.fingerprint
+        fit = self.baselines.get(learn.FIT)
+        if self.fit_by_llama and fit is not None and learn.config_key(params) == learn.config_key(fit):
+            return None  # llama.cpp's own plan for the budget; its measured buffers still decide (over budget)
         if self.served is not None:
             budget = self.space.gpu_budget_bytes or placement.gpu_working_set(fp)
             return placement.served_memory_problem(model, params, fp.memory_bytes, budget,

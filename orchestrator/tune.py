@@ -74,7 +74,8 @@ def choose_chip(
 
 def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False,
             stop: StopRequest | None = None) -> StudyRunner:
-    target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen))
+    target = ChipTarget(fingerprint, {}, simulated=any(i.simulated for i in chosen),
+                        ray_nodes=tuple(i.ray_node_id for i in chosen))
     key = target.key
     if warm and not cfg.resume and not cfg.warm_start:
         from orchestrator.schedules import warm_start

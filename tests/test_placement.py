@@ -210,7 +210,8 @@ def test_llama_cpps_defaults_over_a_budget_are_refused_before_loading_and_fit_is
 
 
 # llama-fit-params' placement of the synthetic Qwen3-30B-A3B Q4_0 for an 8 GiB budget on the H200
-# (docs/cuda-h200/issue23: pp512's, -fitc 512): layer 17 split (its ffn_down), 18-48 whole
+# (docs/cuda-h200/issue23: pp512's, -fitc 512): layer 17 split (its ffn_down), 18-47 whole, and a
+# blk.48 that names no tensor of a 48-layer model
 H200_FIT_OVERRIDES = (r"blk\.17\.ffn_down.*=CPU",
                       *(rf"blk\.{n}\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU" for n in range(18, 49)))
 
@@ -223,8 +224,13 @@ def test_llama_fit_params_placement_in_the_knob_tables_terms():
     base = BenchParams(n_gpu_layers=moe.n_layer + 1, n_threads=16, n_batch=512, n_ubatch=512, flash_attn="auto")
     fitted = llamatools.FitPlacement(512, 49, H200_FIT_OVERRIDES)
     placed = placement.from_llama_fit(fitted, base, moe)
-    assert (placed.n_gpu_layers, placed.n_cpu_moe) == (49, 32)
+    assert (placed.n_gpu_layers, placed.n_cpu_moe) == (49, 31)
     assert replace(placed, n_gpu_layers=base.n_gpu_layers, n_cpu_moe=base.n_cpu_moe) == base  # nothing else moved
+    # not even the layers without their experts fit: some layers offloaded, with every expert on the CPU
+    partial = llamatools.FitPlacement(512, 10, tuple(rf"blk\.{n}\.ffn_(up|down|gate)_(ch|)exps=CPU" for n in range(38, 48)))
+    few = placement.from_llama_fit(partial, base, moe)
+    assert (few.n_gpu_layers, few.n_cpu_moe) == (10, moe.n_layer)
+    assert placement.gpu_need(moe, few, 512).weights < placement.gpu_need(moe, replace(few, n_cpu_moe=9), 512).weights
     gpu = llamatools.FitPlacement(512, 49, ("blk.40.ffn_up_exps=CUDA0",))  # not a CPU buffer: not counted
     assert placement.from_llama_fit(gpu, base, moe).n_cpu_moe == 0
     dense = ARCH_SHAPES["qwen3-14b"]
@@ -244,7 +250,8 @@ def test_a_node_plans_fit_with_its_own_llama_fit_params_or_says_why_not(monkeypa
     monkeypatch.setattr(placement, "nvidia_smi_mib", lambda field: None)
     assert "free memory is unknown" in agent.plan_fit("/m.gguf", 640, 8 * GIB)["error"]  # -fitt cannot be set
     seen = []
-    monkeypatch.setattr(placement, "run_fit_params", lambda argv: seen.append(argv) or llamatools.FitPlacement(640, 20))
+    monkeypatch.setattr(placement, "run_fit_params",
+                        lambda argv, timeout_s: seen.append(argv) or llamatools.FitPlacement(640, 20))
     monkeypatch.setattr(placement, "nvidia_smi_mib", lambda field: 100 * 1024)  # 100 GiB free
     answer = agent.plan_fit("/m.gguf", 640, 8 * GIB)
     assert answer == {"tool": "/bin/true", "n_ctx": 640, "n_gpu_layers": 20, "overrides": ()}
@@ -260,7 +267,7 @@ def test_a_real_chips_fit_baseline_is_llama_fit_params_on_its_node(sqlite_url, m
     moe = simulated.sim_model_info("sim://qwen3-30b-a3b/q4_0")
     config = StudyConfig(model=moe, workload=Workload(512, 0, 2), n_trials=4, sampler="tpe", seed=1)
     fleet = VirtualFleet(CHIP, 1, trial_s=0.0)
-    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {"node-a": 1}),
+    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {}, ray_nodes=("node-a",)),
                       alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
     defaults = run.baselines[learn.LLAMA_CPP]
     asked = []
@@ -273,11 +280,17 @@ def test_a_real_chips_fit_baseline_is_llama_fit_params_on_its_node(sqlite_url, m
     monkeypatch.setattr(studies.dispatch, "ask_nodes", ask)
     placed = run._fit_baseline(8 * GIB)
     assert asked == [("plan_fit", ["node-a"], (moe.path, 512, 8 * GIB))]
-    assert (placed.n_gpu_layers, placed.n_cpu_moe) == (49, 32) and run.fit_source.startswith("llama-fit-params on node")
+    assert (placed.n_gpu_layers, placed.n_cpu_moe) == (49, 31) and run.fit_source.startswith("llama-fit-params on node")
+    # llama.cpp's own plan is not refused by fleettune's estimate (its measured buffers still decide)
+    run.baselines[learn.FIT] = placed
+    assert run._refusal(placed) is None
     monkeypatch.setattr(studies.dispatch, "ask_nodes", lambda *a, **k: {"node-a": {"error": "no llama-fit-params on the node"}})
     estimated = run._fit_baseline(8 * GIB)
     assert estimated == placement.fit(moe, defaults, 512, 8 * GIB)
     assert run.fit_source == "fleettune's estimate of llama.cpp's --fit (no llama-fit-params on the node)"
+    asked.clear()
+    monkeypatch.setattr(studies.dispatch, "ask_nodes", ask)
+    assert run._fit_baseline(200 * GIB) is None and not asked  # the defaults fit: no node is asked
 
 
 def test_where_llama_cpps_defaults_fit_the_budget_fit_is_not_a_second_baseline(sqlite_url):
@@ -295,6 +308,21 @@ def test_a_resumed_study_keeps_its_budget_and_refuses_another(sqlite_url):
     same = runner(sqlite_url, name="kept", resume=True)  # no --gpu-budget: the stored one holds
     same.prepare()
     assert same.space.gpu_budget_bytes == 4 * GIB
+    first = learn.stored_baselines(same._phase_trials("baseline"))[learn.FIT]
+    assert same.baselines[learn.FIT] == first  # and the --fit it measured first: one per study
+
+
+def test_a_resumed_study_keeps_the_fit_placement_it_measured_first(sqlite_url, monkeypatch):
+    """Whatever --fit would place now (another planner answered, the node's free memory moved), a
+    resumed study's --fit baseline is the one it measured, which its claims and verify name."""
+    runner(sqlite_url, gpu_budget="4GiB", name="firstfit").run()
+    moved = partial(lambda fit, *a, **k: replace(fit(*a, **k), n_gpu_layers=1), placement.fit)
+    monkeypatch.setattr(placement, "fit", moved)
+    resumed = runner(sqlite_url, gpu_budget="4GiB", name="firstfit", resume=True)
+    resumed.prepare()
+    first = learn.stored_baselines(resumed._phase_trials("baseline"))[learn.FIT]
+    assert first.n_gpu_layers > 1 and resumed.baselines[learn.FIT] == first
+    assert resumed.fit_source.startswith("the placement this study measured first, kept on resume")
 
 
 def test_a_server_whose_kv_cache_cannot_fit_is_refused_before_it_runs():

@@ -113,6 +113,9 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     return result
 
 
+PLAN_FIT_TIMEOUT_S = 150.0  # inside the study's wait for the answer (180 s): never left running
+
+
 def plan_fit(model_path: str, n_ctx: int, budget: int | None) -> dict:
     """llama.cpp's ``--fit`` placement of ``model_path`` on this node for ``budget`` bytes of its GPU,
     by the node's own ``llama-fit-params`` (issue 23.3): ``{"tool", "n_ctx", "n_gpu_layers",
@@ -124,7 +127,7 @@ def plan_fit(model_path: str, n_ctx: int, budget: int | None) -> dict:
     if not tool:
         return {"error": "no llama-fit-params on the node"}
     try:
-        fitted = placement.llama_fit(tool, model_path, n_ctx, budget)
+        fitted = placement.llama_fit(tool, model_path, n_ctx, budget, timeout_s=PLAN_FIT_TIMEOUT_S)
     except llamatools.ToolError as exc:
         return {"error": f"llama-fit-params: {exc}"}
     return {"tool": tool, **asdict(fitted)}

@@ -145,7 +145,7 @@ def fit(shape: ModelInfo, params: BenchParams, n_ctx: int, budget: float,
 
 
 def llama_fit(tool: str, model_path: str, n_ctx: int, budget: float | None,
-              free_bytes: int | None = None) -> FitPlacement:
+              free_bytes: int | None = None, timeout_s: float = 600) -> FitPlacement:
     """llama.cpp's own ``--fit`` placement (``llama-fit-params`` of the node's build) at a context of
     ``n_ctx`` for ``budget`` bytes of the first GPU: told to leave free all but the budget less its
     1 GiB margin (``-fitt``), since ggml sees the whole device whatever budget is set. Its margin
@@ -160,7 +160,7 @@ def llama_fit(tool: str, model_path: str, n_ctx: int, budget: float | None,
             raise ToolError("the device's free memory is unknown (no nvidia-smi): llama-fit-params "
                             "cannot be told the budget")
         target = fit_target_mib(free, int(budget), FIT_MARGIN_BYTES)
-    return run_fit_params(fit_params_argv(tool, model_path, n_ctx, target))
+    return run_fit_params(fit_params_argv(tool, model_path, n_ctx, target), timeout_s)
 
 
 def _gpu_free_bytes() -> int | None:
@@ -177,10 +177,16 @@ def from_llama_fit(fitted: FitPlacement, params: BenchParams, shape: ModelInfo) 
     CPU buffers (``-ot blk.N.ffn_…=CPU``; a layer it splits counts whole, so the result never needs
     more GPU memory than its own). A dense model's split layer stays on the CPU (one GPU layer
     fewer). Only the placement changes: --fit leaves every other knob as given."""
-    on_cpu = {int(m.group(1)) for o in fitted.overrides if o.rpartition("=")[2].upper().startswith("CPU")
-              for m in [_EXPERT_LAYER.search(o)] if m}
+    # llama.cpp names one layer past the last (blk.48 of a 48-layer model): no tensor, not counted
+    on_cpu = {layer for o in fitted.overrides if o.rpartition("=")[2].upper().startswith("CPU")
+              for m in [_EXPERT_LAYER.search(o)] if m and (layer := int(m.group(1))) < shape.n_layer}
     if not on_cpu and fitted.n_gpu_layers > shape.n_layer:  # all of it on the GPU, as the defaults ask
         return replace(params, n_gpu_layers=shape.n_layer + 1, n_cpu_moe=0)  # as ``fit`` says it
+    if shape.n_expert and fitted.n_gpu_layers <= shape.n_layer:
+        # not every layer offloaded: -ncmoe counts from the first layer, which are the CPU's
+        # already, so the offloaded layers' experts stay on the CPU by keeping all of them there
+        # (``fit``'s placement of as many whole layers)
+        return replace(params, n_gpu_layers=fitted.n_gpu_layers, n_cpu_moe=shape.n_layer if on_cpu else 0)
     if shape.n_expert:
         return replace(params, n_gpu_layers=fitted.n_gpu_layers, n_cpu_moe=len(on_cpu))
     ngl = fitted.n_gpu_layers - (1 if on_cpu else 0)
