@@ -106,12 +106,18 @@ def test_the_measurement_dies_with_the_process_that_started_it(model_info, sig):
         parent.wait()
 
 
+def sigint_as_a_terminal() -> None:
+    """In the child: Ctrl-C's default action, whatever the test run inherited (a shell starts a
+    background job with SIGINT ignored, and an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_of_fleettune_bench_stops_the_measurement(model_path, sqlite_url):
     marker = uuid.uuid4().hex
     args = [sys.executable, "-m", "orchestrator.cli", "bench", str(model_path), "-t", "1", "-b", "8",
             "-p", "0", "-n", str(LONG.n_gen), "-r", str(LONG.reps), "--db", sqlite_url]
     proc = subprocess.Popen(args, env=marked_env(marker), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=sigint_as_a_terminal)
     try:
         wait_until(lambda: loaded(marker), timeout=120)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends to its foreground group
@@ -313,5 +319,5 @@ def test_ctrl_c_at_the_instant_popen_holds_its_wait_lock_still_stops(tmp_path):
     waits: the handler kills the child and the KeyboardInterrupt comes after the wait."""
     done = subprocess.run([sys.executable, "-c", SIGINT_AT_THE_WORST_INSTANT, str(tmp_path / "m.gguf")],
                           capture_output=True, text=True, timeout=30, cwd=Path(__file__).parent.parent,
-                          start_new_session=True)
+                          start_new_session=True, preexec_fn=sigint_as_a_terminal)
     assert done.returncode == 0 and done.stdout.strip() == "interrupted", done.stdout + done.stderr
