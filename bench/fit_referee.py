@@ -77,12 +77,12 @@ def fit_placement(fit_params: str, model: str, n_ctx: int, budget: int) -> llama
     """llama.cpp's --fit placement for ``budget`` bytes of the device (the first GPU); where
     nvidia-smi gives no free memory (no NVIDIA GPU) it plans for the device as llama.cpp sees it,
     and says so."""
-    free = hardware.nvidia_smi_mib("memory.free")
+    free = hardware.gpu_free_bytes()
     if free is None:
         print("no free GPU memory from nvidia-smi: --fit plans for the whole device, not the budget",
               file=sys.stderr)
         return placement.llama_fit(fit_params, model, n_ctx, None)
-    return placement.llama_fit(fit_params, model, n_ctx, budget, free * llamatools.MIB)
+    return placement.llama_fit(fit_params, model, n_ctx, budget, free)
 
 
 def bench_argv(binary: str, model: str, flags: list[str], test: str, reps: int, depth: int = 0) -> list[str]:

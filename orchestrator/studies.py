@@ -77,7 +77,8 @@ AHEAD_EVERY = 2
 AHEAD_MAX = 128
 AHEAD_MIN_RUNNING = 32
 NO_NODE_GRACE_S = 30.0
-FIT_PLAN_TIMEOUT_S = 180.0  # llama-fit-params on a node: it loads no weights, only sizes them
+# llama-fit-params on a node (it loads no weights, only sizes them): its own limit, and the way there and back
+FIT_PLAN_TIMEOUT_S = agent.PLAN_FIT_TIMEOUT_S + 30.0
 MAX_NODE_LOSSES = 3  # a configuration lost with this many nodes is failed, not measured again
 DEFAULT_TRIALS = 30
 ORPHANED = "orphaned: the driver stopped"

@@ -247,12 +247,12 @@ def test_a_node_plans_fit_with_its_own_llama_fit_params_or_says_why_not(monkeypa
     monkeypatch.setattr(llamatools, "find_tool", lambda name: None)
     assert agent.plan_fit("/m.gguf", 640, 8 * GIB) == {"error": "no llama-fit-params on the node"}
     monkeypatch.setattr(llamatools, "find_tool", lambda name: "/bin/true")
-    monkeypatch.setattr(placement, "nvidia_smi_mib", lambda field: None)
+    monkeypatch.setattr(placement, "gpu_free_bytes", lambda: None)
     assert "free memory is unknown" in agent.plan_fit("/m.gguf", 640, 8 * GIB)["error"]  # -fitt cannot be set
     seen = []
     monkeypatch.setattr(placement, "run_fit_params",
                         lambda argv, timeout_s: seen.append(argv) or llamatools.FitPlacement(640, 20))
-    monkeypatch.setattr(placement, "nvidia_smi_mib", lambda field: 100 * 1024)  # 100 GiB free
+    monkeypatch.setattr(placement, "gpu_free_bytes", lambda: 100 * GIB)
     answer = agent.plan_fit("/m.gguf", 640, 8 * GIB)
     assert answer == {"tool": "/bin/true", "n_ctx": 640, "n_gpu_layers": 20, "overrides": ()}
     # it leaves free all the device has but the budget less --fit's 1 GiB margin: 100 - 8 + 1 GiB

@@ -113,7 +113,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     return result
 
 
-PLAN_FIT_TIMEOUT_S = 150.0  # inside the study's wait for the answer (180 s): never left running
+PLAN_FIT_TIMEOUT_S = 150.0  # inside the study's wait for the answer: never left running
 
 
 def plan_fit(model_path: str, n_ctx: int, budget: int | None) -> dict:

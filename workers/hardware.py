@@ -319,6 +319,12 @@ def nvidia_smi_mib(field: str) -> int | None:
         return None
 
 
+def gpu_free_bytes() -> int | None:
+    """The first NVIDIA GPU's free memory in bytes (nvidia-smi); None without one."""
+    free = nvidia_smi_mib("memory.free")
+    return None if free is None else free * 1024**2
+
+
 def parse_nvidia_smi_csv(text: str) -> dict:
     """First GPU of ``nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv``."""
     rows = [r for r in csv.reader(text.strip().splitlines()) if r]

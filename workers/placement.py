@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, replace
 
 from workers.errors import BadInput
-from workers.hardware import GIB, Fingerprint, nvidia_smi_mib
+from workers.hardware import GIB, Fingerprint, gpu_free_bytes
 from workers.llamatools import (
     FitPlacement,
     ToolError,
@@ -155,17 +155,12 @@ def llama_fit(tool: str, model_path: str, n_ctx: int, budget: float | None,
     memory is unknown (no nvidia-smi: -fitt cannot be set)."""
     target = None
     if budget:
-        free = free_bytes if free_bytes is not None else _gpu_free_bytes()
+        free = free_bytes if free_bytes is not None else gpu_free_bytes()
         if free is None:
             raise ToolError("the device's free memory is unknown (no nvidia-smi): llama-fit-params "
                             "cannot be told the budget")
         target = fit_target_mib(free, int(budget), FIT_MARGIN_BYTES)
     return run_fit_params(fit_params_argv(tool, model_path, n_ctx, target), timeout_s)
-
-
-def _gpu_free_bytes() -> int | None:
-    free = nvidia_smi_mib("memory.free")
-    return None if free is None else free * 1024**2
 
 
 _EXPERT_LAYER = re.compile(r"blk\\?\.(\d+)\\?\.ffn_")
