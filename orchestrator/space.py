@@ -516,6 +516,16 @@ def obvious_slots(params: BenchParams, space: SearchSpace) -> BenchParams | None
                    n_ctx=space.parallel_max * per_slot if per_slot else None)
 
 
+def without_prompt_cache(params: BenchParams | None, space: SearchSpace) -> BenchParams | None:
+    """``params`` with llama-server's host prompt cache off (``--cache-ram 0``), where the space
+    searches it. A served study's load never repeats a prompt (workers/loadgen.py rule 1), so that
+    cache never hits, while the server still saves every finished slot into it with no slot decoding
+    meanwhile (about 120 ms for 51 MiB on the H200, issue 22). None outside a served space."""
+    if params is None or 0 not in space.cache_ram_choices:
+        return None
+    return replace(params, cache_ram=0)
+
+
 def compact_cache(params: BenchParams, space: SearchSpace) -> BenchParams | None:
     """``params`` with flash attention on and the most compact K and V cache the space has: at a
     depth every generated token reads the whole cache, so its bytes are the first thing to cut.

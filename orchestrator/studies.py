@@ -48,6 +48,7 @@ from orchestrator.space import (
     moe_layout,
     obvious_slots,
     predicted_optimum,
+    without_prompt_cache,
 )
 from orchestrator.stopping import StopRequest
 from workers import agent, placement
@@ -869,8 +870,11 @@ class StudyRunner:
         GPU): bench/search_efficiency.py measures what each part of it saves."""
         fp, w = self.target.fingerprint, self.cfg.workload
         defaults = self.baselines[learn.LLAMA_CPP]
-        if self.served is not None:  # issue 22: the defaults, the obvious one slot per user, the single stream
-            starts = [defaults, obvious_slots(defaults, self.space), self.baselines.get(learn.SINGLE_STREAM)]
+        if self.served is not None:  # issue 22: the defaults, the obvious one slot per user (with and
+            # without the host prompt cache, which this load can never hit), the single stream
+            obvious = obvious_slots(defaults, self.space)
+            starts = [defaults, obvious, without_prompt_cache(obvious, self.space),
+                      self.baselines.get(learn.SINGLE_STREAM)]
         else:
             reference = full_offload(fp, self.cfg.model, self.space)
             compact = compact_cache(defaults, self.space) if w.depth else None

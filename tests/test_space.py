@@ -189,3 +189,25 @@ def test_a_tg_study_at_a_depth_fills_the_cache_with_llama_cpps_default_batch():
     # a prompt objective searches the batch for the prompt's tokens, whatever the depth
     pp = SearchSpace.for_target(chip, MODEL, n_prompt=128, objective="pp", depth=4000)
     assert pp.tune_batch and max(pp.batch_choices) == 128
+
+
+def test_a_served_spaces_first_design_gives_each_user_a_slot_with_and_without_the_host_prompt_cache():
+    from orchestrator.space import obvious_slots, without_prompt_cache
+    from workers.trial import ServedWorkload
+
+    chip = simulated.parse_chip("M2 Ultra/76/192")
+    space = SearchSpace.for_served(chip, MODEL, n_prompt=280, n_gen=128, served=ServedWorkload(users=48))
+    obvious = obvious_slots(llama_cpp_defaults(chip, MODEL), space)
+    assert (obvious.n_parallel, obvious.n_ctx, obvious.cache_ram) == (48, 48 * 2048, None)  # 4 x 512 per slot
+    uncached = without_prompt_cache(obvious, space)
+    assert uncached == replace(obvious, cache_ram=0)
+    clipped = space.clip(uncached)  # as the study enqueues it: batches up to what a request's prompt fills
+    assert space.suggest(_enqueued(space, clipped)) == clipped and clipped.cache_ram == 0
+    plain = SearchSpace.for_target(chip, MODEL, n_prompt=280)
+    assert without_prompt_cache(obvious, plain) is None and obvious_slots(obvious, plain) is None
+
+
+def _enqueued(space: SearchSpace, params: BenchParams):
+    study = optuna.create_study()
+    study.enqueue_trial(space.optuna_params(params))
+    return study.ask()
