@@ -693,15 +693,12 @@ class StudyRunner:
             space = SearchSpace.for_target(fp, cfg.model, cfg.workload.n_prompt, self.objective,
                                            moe_layout(cfg.model), depth=cfg.workload.depth, lossy=cfg.allow_lossy,
                                            gpu_budget=budget)
-            fitted = self._fit_baseline(budget)
-            if fitted is not None:
-                self.baselines[learn.FIT] = fitted
         # one transaction, retried whole when the database is busy or another driver created the
         # same chip or model row at the same instant (SQLite refuses a stale writer, PostgreSQL a
         # duplicate key; the next attempt finds the row)
         existing = retrying(lambda: self._study_rows(space), conflicts=True)
-        if existing is not None:
-            self._keep_first_fit()
+        if self.served is None:
+            self._set_fit_baseline(resumed=existing is not None)
         # Optuna creates its own tables on a database's first use: two drivers starting at once
         # race to stamp its version (a duplicate key for one of them); the second attempt finds it
         self.optuna_study = retrying(self._optuna_study, conflicts=True)
@@ -769,19 +766,20 @@ class StudyRunner:
         self.fit_by_llama = True
         return placement.from_llama_fit(fitted, defaults, self.cfg.model)
 
-    def _keep_first_fit(self) -> None:
-        """A resumed study keeps the --fit placement it measured first (the node's free memory, or
-        which planner answered, may differ now): one --fit baseline per study, the one its claims
-        and ``verify`` name."""
-        first = learn.stored_baselines(self._phase_trials("baseline")).get(learn.FIT)
-        if first is None:
+    def _set_fit_baseline(self, resumed: bool) -> None:
+        """The --fit baseline. A resumed study keeps the placement it measured first, whatever --fit
+        would place now (the node's free memory, or which planner answers, may differ), and asks no
+        node for it: one --fit baseline per study, the one its claims and ``verify`` name. Otherwise
+        it is planned for the study's budget (the stored one on resume: a resume without
+        --gpu-budget keeps it)."""
+        first = learn.stored_baselines(self._phase_trials("baseline")).get(learn.FIT) if resumed else None
+        if first is not None:
+            self.baselines[learn.FIT] = first
+            self.fit_source = "the placement this study measured first, kept on resume"
             return
-        now = self.baselines.get(learn.FIT)
-        if now is None or learn.config_key(first) != learn.config_key(now):
-            # (a resume without --gpu-budget plans for the working set: the stored budget's --fit stays)
-            self.fit_source = f"the placement this study measured first, kept on resume (now: {self.fit_source})"
-            self.fit_by_llama = False
-        self.baselines[learn.FIT] = first
+        fitted = self._fit_baseline(self.space.gpu_budget_bytes or None)
+        if fitted is not None:
+            self.baselines[learn.FIT] = fitted
 
     def _study_rows(self, space: SearchSpace):
         """Create or take over the study's row; returns the row that existed, if one did."""

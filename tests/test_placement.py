@@ -316,12 +316,14 @@ def test_a_resumed_study_keeps_the_fit_placement_it_measured_first(sqlite_url, m
     """Whatever --fit would place now (another planner answered, the node's free memory moved), a
     resumed study's --fit baseline is the one it measured, which its claims and verify name."""
     runner(sqlite_url, gpu_budget="4GiB", name="firstfit").run()
-    moved = partial(lambda fit, *a, **k: replace(fit(*a, **k), n_gpu_layers=1), placement.fit)
+    planned = []
+    moved = partial(lambda fit, *a, **k: planned.append(a) or replace(fit(*a, **k), n_gpu_layers=1), placement.fit)
     monkeypatch.setattr(placement, "fit", moved)
     resumed = runner(sqlite_url, gpu_budget="4GiB", name="firstfit", resume=True)
     resumed.prepare()
     first = learn.stored_baselines(resumed._phase_trials("baseline"))[learn.FIT]
     assert first.n_gpu_layers > 1 and resumed.baselines[learn.FIT] == first
+    assert planned == []  # nothing planned anew, no node asked: the stored placement is the baseline
     assert resumed.fit_source.startswith("the placement this study measured first, kept on resume")
 
 
