@@ -13,7 +13,9 @@ before. It prints TTFT and ITL p50/p90 of each tool per round, then the median o
 figure, its range, the ratio loadgen / referee, and whether every ratio is within 5 %. Beside each
 load it shows the client's CPU seconds (the referee's in a cpuacct cgroup, every process it starts),
 llama-server's CPU seconds and its own decode time per token (from /metrics): what the server did
-while each tool measured it, so a tool whose own CPU slows the server on a small machine shows it. llama-server
+while each tool measured it, so a tool whose own CPU slows the server on a small machine shows it.
+``--server-cpus 1`` gives llama-server CPU 1 alone and both tools (this script and every process it
+starts) the others, so that neither tool's CPU takes the server's. llama-server
 is always stopped at the end (terminated, then killed), on an error or a SIGTERM/SIGINT/SIGHUP too.
 
 Both tools define the figures as AIPerf does: TTFT from sending to the first generated text, ITL
@@ -129,13 +131,14 @@ class LlamaServer:
     """One llama-server process, stopped whatever happens."""
 
     def __init__(self, binary: str, model: str, port: int, slots: int, ctx: int, log: Path,
-                 extra: list[str]) -> None:
+                 extra: list[str], cpus: set[int] | None = None) -> None:
         self.argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                      "-c", str(ctx), "--metrics", "--alias", MODEL_NAME, *extra]
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         with log.open("w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -276,6 +279,18 @@ def summary(rounds: list[dict], referee: str) -> dict:
     return out
 
 
+def cpu_list(text: str) -> set[int]:
+    """--server-cpus: CPU numbers, comma-separated, at least one left for the clients."""
+    try:
+        cpus = {int(part) for part in text.split(",")}
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: CPU numbers, e.g. 1 or 2,3") from error
+    if not cpus < os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be some, not all, of this process's CPUs "
+                                         f"{sorted(os.sched_getaffinity(0))}")
+    return cpus
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="GGUF file (default: SmolLM2-135M, fetched like `fleettune model fetch`)")
@@ -293,6 +308,8 @@ def main() -> None:
     parser.add_argument("--servebench", default="/tmp/ref/venv-servebench/bin/servebench")
     parser.add_argument("--tokenizer", help="Hugging Face tokenizer folder for AIPerf (default: rebuilt from the GGUF)")
     parser.add_argument("--out", type=Path, help="write every round and the summary as JSON")
+    parser.add_argument("--server-cpus", type=cpu_list, help="CPUs for llama-server alone (0 or 1,2); both load "
+                        "tools, this script and everything they start then run on the other CPUs")
     args = parser.parse_args()
     if args.rounds < 1 or args.requests < 1 or args.users < 1:
         raise SystemExit("--rounds, --requests and --users must be >= 1")
@@ -322,7 +339,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop_on_signal)
     signal.signal(signal.SIGHUP, stop_on_signal)
     server = LlamaServer(binary, args.model, free_port(), args.slots, args.ctx, work / "llama-server.log",
-                         args.server_arg)
+                         args.server_arg, cpus=args.server_cpus)
+    if args.server_cpus:  # the clients (this process and every tool it starts) on the CPUs the server does not use
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - args.server_cpus)
     rounds: list[dict] = []
     try:
         server.wait_healthy()
@@ -371,7 +390,8 @@ def main() -> None:
               f"{a['itl_p50_over_server_ms_per_token']:.3f}; its own CPU {show(a['client_cores'])} cores")
     if args.out:
         args.out.write_text(json.dumps({
-            "server_argv": server.argv, "build": build, "cpu": cpu, "referee": args.referee,
+            "server_argv": server.argv, "server_cpus": sorted(args.server_cpus or ()), "build": build, "cpu": cpu,
+            "referee": args.referee,
             "workload": {"users": args.users, "prompt": args.prompt, "gen": args.gen, "requests": args.requests},
             "rounds": rounds, "summary": result, "agree": agree, "against_server": against,
             "server_metrics": metrics, "server_props": {k: props.get(k) for k in ("total_slots", "build_info")}},
