@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.compare_llama_bench import join_configs  # noqa: E402
+from orchestrator.space import llama_cpp_defaults  # noqa: E402
+from orchestrator.verify import rotation  # noqa: E402
 from workers.bench import measure  # noqa: E402
 from workers.hardware import fingerprint_live  # noqa: E402
 from workers.models import read_model_info  # noqa: E402
@@ -38,16 +40,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--json")
     args = ap.parse_args(join_configs(sys.argv[1:]))
-    from orchestrator.space import llama_cpp_defaults
-
     info = read_model_info(args.model)
     base = llama_cpp_defaults(fingerprint_live(), info)  # flags left out are llama.cpp's defaults
     configs = {text: BenchParams.from_llama_flags(text, info.n_layer, base=base) for text in args.config}
     workload = Workload(n_prompt=args.p, n_gen=args.n, reps=args.r)
     rates: dict[str, dict[str, list[float]]] = {text: {"pp": [], "tg": []} for text in configs}
-    names = list(configs)
-    for round_no in range(args.rounds):
-        for text in names[round_no % len(names):] + names[:round_no % len(names)]:
+    for round_no, order in enumerate(rotation(list(configs), args.rounds)):
+        for text in order:
             result = measure(TrialSpec(info.path, info.sha256, configs[text], workload, timeout_s=600,
                                        trial_key=f"{round_no}"))
             if not result.ok:

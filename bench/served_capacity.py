@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from workers import served  # noqa: E402 (after the path is set)
+from orchestrator.verify import rotation  # noqa: E402 (after the path is set)
+from workers import served  # noqa: E402
 from workers.models import read_model_info  # noqa: E402
 from workers.trial import BenchParams, ServedWorkload, TrialSpec, Workload  # noqa: E402
 
@@ -83,8 +84,7 @@ def main() -> None:
     load = ServedWorkload(requests=args.requests, windows=1, capacity=True, max_users=args.max_users, slo=args.slo,
                           window_s=args.timeout)
     rounds: list[dict] = []
-    for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
+    for r, order in enumerate(rotation(configs, args.rounds)):
         for name, params in order:
             measured = one(args.model, info.sha256, params, workload, load, args.timeout, f"{name}-{r}")
             rounds.append({"round": r, "config": name, "flags": params.llama_cpp_flags() if params else "",

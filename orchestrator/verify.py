@@ -15,6 +15,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from orchestrator import learn
 from orchestrator.db import Database, repo
@@ -26,6 +27,8 @@ from workers.trial import BenchParams, Workload
 
 RECOMMENDATION = "recommendation"
 DEFAULT_ROUNDS = 5
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def _flags_shown(params: BenchParams, workload: Workload) -> str:
     return flags[0] if len(flags) == 1 else f"pp: {flags[0]}; tg: {flags[1]}"
 
 
-def rotation(names: list[str], rounds: int) -> list[list[str]]:
+def rotation(names: list[T], rounds: int) -> list[list[T]]:
     """Round ``i`` starts at the ``i``-th name: A B C, B C A, C A B, A B C, ..."""
     k = len(names)
     return [[names[(i + j) % k] for j in range(k)] for i in range(rounds)]
