@@ -25,6 +25,7 @@ from bench.compare_llama_bench import join_configs  # noqa: E402
 from orchestrator.space import llama_cpp_defaults  # noqa: E402
 from orchestrator.verify import rotation  # noqa: E402
 from workers.bench import measure  # noqa: E402
+from workers.errors import BadInput  # noqa: E402
 from workers.hardware import fingerprint_live  # noqa: E402
 from workers.models import read_model_info  # noqa: E402
 from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
@@ -42,7 +43,11 @@ def main() -> int:
     args = ap.parse_args(join_configs(sys.argv[1:]))
     info = read_model_info(args.model)
     base = llama_cpp_defaults(fingerprint_live(), info)  # flags left out are llama.cpp's defaults
-    configs = {text: BenchParams.from_llama_flags(text, info.n_layer, base=base) for text in args.config}
+    try:
+        configs = {text: BenchParams.from_llama_flags(text, info.n_layer, base=base) for text in args.config}
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     workload = Workload(n_prompt=args.p, n_gen=args.n, reps=args.r)
     rates: dict[str, dict[str, list[float]]] = {text: {"pp": [], "tg": []} for text in configs}
     for round_no, order in enumerate(rotation(list(configs), args.rounds)):

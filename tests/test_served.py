@@ -135,3 +135,5 @@ def test_a_served_study_recommends_a_config_at_least_as_good_as_llama_servers_de
         assert len(requests) >= 12 and all(r.error is None for r in requests if not r.warmup)
         searched = [BenchParams.from_dict(t.params) for t in trials if t.phase == "search"]
         assert any(p.n_parallel for p in searched)  # llama-server's own knobs were searched
+        # the first design: one slot per user, also with the host prompt cache off (the load never hits it)
+        assert any(p.n_parallel == 3 and p.cache_ram == 0 for p in searched)
