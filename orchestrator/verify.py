@@ -110,11 +110,9 @@ def plan(db: Database, study_name: str, reps: int | None = None) -> VerifyPlan:
         study = repo.get_study(s, study_name)
         if study is None:
             raise BadInput(f"unknown study {study_name!r}")
-        recs = [r for r in repo.latest_recommendations(s, [study.model_id], study.chip.key, study.objective)
-                if r.study_id == study.id]
-        if not recs:
+        rec = repo.study_recommendation(s, study.id)  # its own, whatever later studies recommended since
+        if rec is None:
             raise BadInput(f"study {study_name!r} has no recommendation (not finished?)")
-        rec = recs[0]
         baselines = learn.stored_baselines(repo.study_trials(s, study.id, phase="baseline"), bool(study.served))
         if rec.baselines:  # a baseline the study could not measure (over its GPU budget) is not refereed
             baselines = {name: params for name, params in baselines.items() if name in rec.baselines}
@@ -174,9 +172,24 @@ def _claims(rec) -> dict[str, dict]:
     paired = dict(claims.get("vs") or {})
     reference = claims.get("reference", learn.LLAMA_CPP)  # llama.cpp's defaults, or its --fit (issue 23.3)
     if reference not in paired and claims.get("winner") == reference and claims.get("noise"):
-        paired[reference] = claims["noise"]  # the reference recommended: 1, within the A/A noise
+        paired[reference] = same_configuration_claim(claims["noise"])  # the reference recommended
     out = {name: {k: paired[name].get(k) for k in ("ratio", "low", "high", "text")} for name in paired}
     for name, value in (rec.baselines or {}).items():
         if name not in out and value:
             out[name] = {"ratio": rec.expected_tps / value, "low": None, "high": None, "text": None}
     return out
+
+
+def same_configuration_claim(noise: dict) -> dict:
+    """The claim over the reference where the study recommended the reference itself: a
+    configuration over itself is 1 exactly; its interval is the A/A arm's (the reference measured
+    twice a round), centred on 1: the spread a referee of one configuration sees on that machine.
+    The A/A arm's own ratio is noise (issue 20: on the H200's CPU one left out 1 at -6.7 %)."""
+    ratio, low, high = noise.get("ratio"), noise.get("low"), noise.get("high")
+    if not ratio or low is None or high is None:
+        return {"ratio": 1.0, "low": None, "high": None, "text": "the same configuration"}
+    low, high = low / ratio, high / ratio
+    rounds = f", {noise['rounds']} rounds" if noise.get("rounds") else ""
+    return {"ratio": 1.0, "low": low, "high": high,
+            "text": f"the same configuration ({(low - 1) * 100:+.1f} % … {(high - 1) * 100:+.1f} %, the A/A arm's "
+                    f"width{rounds})"}

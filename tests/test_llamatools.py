@@ -212,11 +212,43 @@ def test_the_plan_is_the_studys_recommendation_baselines_workload_and_claims(sim
     assert plan.workload == Workload(512, 128, 2) and plan.simulated and plan.objective.name == "tg"
     claims = rec.claims
     for name in (learn.LLAMA_CPP_PYTHON, learn.LLAMA_CPP):
-        # the study's paired claim; where llama.cpp's defaults won, the claim over them is the A/A noise
-        stored = claims["vs"].get(name) or (claims["winner"] == name and claims["noise"])
+        # the study's paired claim; where llama.cpp's defaults won, the claim over them is 1 with the
+        # A/A arm's interval centred on it
+        stored = claims["vs"].get(name) or (claims["winner"] == name
+                                            and verify.same_configuration_claim(claims["noise"]))
         assert stored, name
         assert [plan.claims[name][k] for k in ("ratio", "low", "high")] == pytest.approx(
             [stored[k] for k in ("ratio", "low", "high")])
+
+
+def test_an_earlier_study_is_planned_with_its_own_recommendation_after_a_later_one(tmp_path):
+    # the H200 CPU's five studies of one model: a later study's recommendation is the newer version,
+    # the earlier study's own stays what verify referees
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    runs = {}
+    for seed, name in ((1, "first"), (2, "second")):
+        fleet = VirtualFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=seed)
+        config = StudyConfig(model=MODEL, workload=Workload(512, 128, 1), n_trials=4, sampler="tpe", seed=seed,
+                             name=name)
+        run = StudyRunner(open_database(url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
+                          alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+        runs[name] = run.run().recommendation
+    for name, rec in runs.items():
+        plan = verify.plan(open_database(url), name)
+        assert plan.configs[verify.RECOMMENDATION] == rec.params
+        assert plan.claims[learn.LLAMA_CPP_PYTHON]["ratio"] == pytest.approx(
+            rec.claims["vs"][learn.LLAMA_CPP_PYTHON]["ratio"])
+
+
+def test_a_recommended_reference_is_claimed_as_itself_within_the_aa_width():
+    # the H200 CPU's study 2: llama.cpp's defaults recommended, their A/A arm at -6.7 % (-10.4 … -3.0 %)
+    noise = {"ratio": 0.933, "low": 0.896, "high": 0.970, "rounds": 5, "text": "-6.7 % (...)"}
+    claim = verify.same_configuration_claim(noise)
+    assert claim["ratio"] == 1.0 and claim["low"] == pytest.approx(0.896 / 0.933)
+    assert claim["high"] == pytest.approx(0.970 / 0.933) and claim["low"] < 1 < claim["high"]
+    assert "the same configuration" in claim["text"] and "5 rounds" in claim["text"]
+    # an A/A arm with no interval (a baseline that scored 0) claims 1 with none
+    assert verify.same_configuration_claim({"ratio": None, "low": None, "high": None})["low"] is None
 
 
 def test_verify_refuses_with_one_line(simulated_study, clean_env, monkeypatch):
@@ -320,8 +352,9 @@ def test_verify_referees_a_real_study_with_llama_bench(llama_bench, model_info, 
         row = rows[name]
         assert row["low"] <= row["measured_ratio"] <= row["high"] and row["verdict"] in (
             "faster", "slower", "no measurable difference")
-        claims = outcome.recommendation.claims  # the study's paired ratio and its interval (A/A where the
-        claim = claims["vs"].get(name) or claims["noise"]  # recommendation is llama.cpp's defaults itself)
+        claims = outcome.recommendation.claims  # the study's paired ratio and its interval (1 in the A/A
+        # arm's width where the recommendation is llama.cpp's defaults itself)
+        claim = claims["vs"].get(name) or verify.same_configuration_claim(claims["noise"])
         assert (row["claimed_ratio"], row["claimed_low"], row["claimed_high"]) == pytest.approx(
             (claim["ratio"], claim["low"], claim["high"]))
         assert row["inside_claim"] == (claim["low"] <= row["measured_ratio"] <= claim["high"])

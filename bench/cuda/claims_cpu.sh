@@ -35,7 +35,7 @@ table() {  # every claim beside llama-bench's ratio
     python3 - "$W" <<'PY'
 import glob, json, os, sys
 w = sys.argv[1]
-print("| study | outcome | recommendation (llama-bench) | baseline | fleettune claimed | llama-bench measured | inside |")
+print("| study | outcome | recommendation (llama-bench) | baseline | fleettune claimed | llama-bench measured | llama-bench inside the claim |")
 print("|---|---|---|---|---|---|---|")
 for path in sorted(glob.glob(os.path.join(w, "verify-*.json"))):
     n = path.rsplit("-", 1)[1].split(".")[0]
@@ -46,7 +46,7 @@ for path in sorted(glob.glob(os.path.join(w, "verify-*.json"))):
         if r["config"] == "recommendation":
             continue
         print(f"| {n} | {outcome.get('outcome', '?')} | {rec['llama_bench_flags']} "
-              f"| {r['config']} | {r.get('claimed')} | {r.get('measured')} | {r.get('claim_inside')} |")
+              f"| {r['config']} | {r.get('claimed')} | {r.get('measured')} | {r.get('inside_claim')} |")
 PY
 }
 
@@ -63,7 +63,8 @@ steps() {
     machine_facts "$W/env.txt"
     # the CUDA build with the GPU hidden: a CPU-only shared build (build_cpu) ran llama-bench but
     # crashed llama-cpp-python 0.3.36 (SIGSEGV in its first Llama(), docs/cuda-h200/issue20/README.md)
-    step deps deps && step build build_shared llama-bench && ft hw show --json > "$W/hw.json" &&
+    # llama-fit-params too: bench/cuda/placement.sh can follow on the same machine (same build marker)
+    step deps deps && step build build_shared llama-bench llama-fit-params && ft hw show --json > "$W/hw.json" &&
         step synth synth_1b || return 1
     CUDA_VISIBLE_DEVICES="" sanity
     local n=1

@@ -600,6 +600,13 @@ def _same_recommendation(row: Recommendation, fields: dict) -> bool:
     return True
 
 
+def study_recommendation(session: Session, study_id: int) -> Recommendation | None:
+    """The newest recommendation a study stored (its own, even where a later study of the same
+    chip, model and workload stored a newer version since), or None."""
+    return session.scalar(select(Recommendation).where(Recommendation.study_id == study_id)
+                          .order_by(Recommendation.version.desc(), Recommendation.id.desc()).limit(1))
+
+
 def latest_recommendations(
     session: Session, model_ids: list[int], chip_key: str | None = None, objective: str | None = None
 ) -> list[Recommendation]:
