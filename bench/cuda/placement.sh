@@ -33,8 +33,10 @@ synth() {  # SHAPE: a synthetic Q4_0 model of that shape with SmolLM2's tokenize
 
 study() {  # SHAPE BUDGET OBJECTIVE: the study, then the referee on its recommendation
     local model=$W/models/synthetic-$1-q4_0.gguf name=$1-$2-$3 db=sqlite:///$W/placement-$2.db
+    # the study's --fit baseline from the node's llama-fit-params of this build (without it the study
+    # falls back to fleettune's own estimate of --fit, as the first lease's did)
     # shellcheck disable=SC2086
-    ft tune "$model" --trials "$TRIALS" --objective "$3" --gpu-budget "$2" $STUDY_ARGS --seed 1 \
+    FLEETTUNE_LLAMA_FIT_PARAMS=$W/build/bin/llama-fit-params ft tune "$model" --trials "$TRIALS" --objective "$3" --gpu-budget "$2" $STUDY_ARGS --seed 1 \
         --study "$name" --quiet --db "$db" --json > "$W/$name.outcome.json" 2> "$W/$name.tune.log" || {
         tail -n 30 "$W/$name.tune.log"; return 1; }
     local flags test
