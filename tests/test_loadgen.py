@@ -157,8 +157,11 @@ def test_a_server_that_closes_after_each_stream_loses_no_request(fake_server):
     assert len(result.records) == 10 and all(r.ok for r in result.records), [r.error for r in result.records]
     log = fake.stats()["log"]
     assert len(log) == 10  # each request sent once
+    # TTFT from the client's send, each on a new connection: the server's own 30 ms plus the
+    # connect and the scheduling of a loaded machine (1-2.3 ms here beside the full suite); half the
+    # server's TTFT still tells a clock started at the wrong moment (a whole request or more off)
     truth = statistics.median(e["first"] - e["arrived"] for e in log)
-    assert abs(statistics.median(r.ttft_s for r in result.records) - truth) < 0.005
+    assert abs(statistics.median(r.ttft_s for r in result.records) - truth) < 0.015
 
 
 def test_a_connection_the_peer_closed_is_seen_before_it_is_reused():
