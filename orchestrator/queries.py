@@ -55,6 +55,7 @@ def trial_rows(
                 "load_s": t.load_s,
                 "peak_rss_bytes": t.peak_rss_bytes,
                 "gpu_bytes": t.gpu_bytes,
+                "gpu_device_bytes": t.gpu_device_bytes,
                 "node": t.node.hostname if t.node else None,
                 "sim": t.simulated,
                 "started_at": t.started_at,

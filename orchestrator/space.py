@@ -199,15 +199,18 @@ class SearchSpace:
                        parallel_max=max(min(users, _K["n_parallel"].high), 1), ctx_per_slot=per_slot,
                        server_switches=SERVER_SWITCHES, cache_ram_choices=(None, 0))
 
-    def over_budget(self, params: BenchParams, model: ModelInfo, n_ctx: int) -> str | None:
-        """Why ``params`` must not be loaded (its estimated GPU memory over the study's budget), or
-        None (no budget, or it fits)."""
+    def over_budget(self, params: BenchParams, model: ModelInfo, n_ctx: int, overhead: float = 0) -> str | None:
+        """Why ``params`` must not be loaded (its estimated GPU memory, plus the ``overhead`` the GPU's
+        driver was seen to hold beside llama.cpp's buffers, over the study's budget), or None (no
+        budget, or it fits)."""
         if not self.gpu_budget_bytes or params.n_gpu_layers <= 0:
             return None
         need = gpu_need(model, params, n_ctx)
-        if need.total <= self.gpu_budget_bytes:
+        if need.total + overhead <= self.gpu_budget_bytes:
             return None
-        return f"over the GPU budget: needs {need.describe()} > {self.gpu_budget_bytes / 1024**3:.2f} GiB (estimated)"
+        beside = f" + {overhead / 1024**3:.2f} GiB the driver holds beside them (measured)" if overhead else ""
+        return (f"over the GPU budget: needs {need.describe()}{beside} > {self.gpu_budget_bytes / 1024**3:.2f} GiB "
+                "(estimated)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -624,6 +624,21 @@ def _ranked(ratio: float) -> float:
 # ---------------------------------------------------------------- the runner
 
 
+def over_gpu_budget(result: TrialResult, budget: int | None) -> str | None:
+    """Why a measured trial is over the study's GPU budget (issue 23.1), or None: the driver's count
+    for its process (CUDA context included) where there is one, and llama.cpp's own buffers."""
+    if not budget:
+        return None
+    gib = 1024**3
+    if (result.gpu_device_bytes or 0) > budget:
+        return (f"over the GPU budget: the GPU's driver counted {result.gpu_device_bytes / gib:.2f} GiB for the "
+                f"trial (llama.cpp's buffers and the CUDA context) > {budget / gib:.2f} GiB")
+    if (result.gpu_bytes or 0) > budget:
+        return (f"over the GPU budget: llama.cpp allocated {result.gpu_bytes / gib:.2f} GiB on the GPU "
+                f"> {budget / gib:.2f} GiB")
+    return None
+
+
 class StudyRunner:
     """Runs one study to its budget; safe to interrupt, kill and resume."""
 
@@ -666,6 +681,9 @@ class StudyRunner:
         self.finished_already = False  # a resumed study that had nothing left to do
         self.fit_source: str | None = None  # where the --fit baseline's placement came from (issue 23.3)
         self.fit_by_llama = False  # llama.cpp planned it: its own estimate is not second-guessed by ours
+        # issue 23.1: what the GPU's driver held for a trial beyond llama.cpp's buffers (the CUDA
+        # context), the most any trial of this run showed; added to the estimate before loading
+        self.device_overhead_bytes = 0
         self._beat_at = 0.0
         self._best_at: int | None = None
         self._best_cached: tuple[float | None, BenchParams | None] = (None, None)
@@ -977,7 +995,7 @@ class StudyRunner:
             budget = self.space.gpu_budget_bytes or placement.gpu_working_set(fp)
             return placement.served_memory_problem(model, params, fp.memory_bytes, budget,
                                                    discrete_gpu=bool(fp.gpu_memory_bytes))
-        return self.space.over_budget(params, model, w.depth + w.n_prompt + w.n_gen)
+        return self.space.over_budget(params, model, w.depth + w.n_prompt + w.n_gen, self.device_overhead_bytes)
 
     def _outcome(self, state, draft, version) -> StudyOutcome:
         complete, failed = self._counts()
@@ -1056,13 +1074,16 @@ class StudyRunner:
             tg_m = result.tg.median if result.tg else None
             value = self.objective.value_of(_medians(result, self.objective), w.n_prompt, w.n_gen)
             budget = self.space.gpu_budget_bytes if self.space else 0
+            over = over_gpu_budget(result, budget)
+            if result.gpu_device_bytes and result.gpu_bytes:
+                self.device_overhead_bytes = max(self.device_overhead_bytes,
+                                                 result.gpu_device_bytes - result.gpu_bytes)
             if value is None:
                 result.ok, result.error = False, "no samples for the objective"
                 result.failure_kind = FailureKind.NO_SAMPLES.value
-            elif budget and (result.gpu_bytes or 0) > budget:  # issue 23.1: whatever its speed
+            elif over:  # issue 23.1: whatever its speed
                 result.ok, value = False, None
-                result.error = (f"over the GPU budget: llama.cpp allocated {result.gpu_bytes / 1024**3:.2f} GiB on the "
-                                f"GPU > {budget / 1024**3:.2f} GiB")
+                result.error = over
                 result.failure_kind = FailureKind.OVER_BUDGET.value
             else:
                 e2e = e2e_seconds(pp_m, tg_m, w.n_prompt, w.n_gen)

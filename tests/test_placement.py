@@ -18,7 +18,7 @@ from orchestrator.studies import ChipTarget, StudyConfig, StudyPaused, StudyRunn
 from orchestrator.virtual import VirtualFleet
 from workers import llamatools, placement, simulated
 from workers.errors import BadInput
-from workers.hardware import GIB
+from workers.hardware import GIB, parse_compute_apps
 from workers.models import ARCH_SHAPES
 from workers.trial import BenchParams, Workload
 
@@ -132,6 +132,59 @@ def test_a_trial_that_ran_over_the_budget_fails_whatever_its_speed(sqlite_url):
     assert over and all(r.state == "failed" and r.failure_kind == "over budget" for r in over)
     assert all("over the GPU budget" in r.error for r in over)
     assert all(r.state == "complete" for r in rows if r.gpu_bytes <= 6 * GIB and r.phase == "search")
+
+
+CUDA_CONTEXT = 3 * GIB // 4  # about 0.5 GiB on the H200 (issue 23's leases)
+
+
+class CudaContextFleet(VirtualFleet):
+    """The virtual fleet, where the GPU's driver holds a CUDA context beside llama.cpp's buffers
+    for every trial with a layer on the GPU."""
+
+    def result(self, ref: int, trial_key: str):
+        result = super().result(ref, trial_key)
+        if result.gpu_bytes:
+            result.gpu_device_bytes = result.gpu_bytes + CUDA_CONTEXT
+        return result
+
+
+def test_the_drivers_count_is_stored_and_its_overhead_refused_before_loading(sqlite_url):
+    fleet = CudaContextFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=3)
+    config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=6, sampler="tpe", seed=1,
+                         gpu_budget="6GiB", name="context")
+    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
+                      alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+    run.run()
+    assert run.device_overhead_bytes == CUDA_CONTEXT  # learnt from the trials it measured
+    with run.db.session() as s:
+        measured = [r for r in repo.study_trials(s, run.study_id) if r.gpu_device_bytes]
+    assert measured and all(r.gpu_device_bytes == r.gpu_bytes + CUDA_CONTEXT for r in measured)
+    # a placement that fits the budget by llama.cpp's buffers alone, not with the context beside them
+    n_ctx = 512 + 128
+    between = [BenchParams(n_gpu_layers=n, n_threads=4) for n in range(DENSE.n_layer + 2)
+               if 6 * GIB - CUDA_CONTEXT < placement.gpu_need(DENSE, BenchParams(n_gpu_layers=n), n_ctx).total
+               <= 6 * GIB]
+    assert between
+    assert run.space.over_budget(between[0], DENSE, n_ctx) is None
+    assert "the driver holds beside them" in run._refusal(between[0])
+
+
+def test_a_trial_over_the_budget_by_the_drivers_count_fails_over_budget():
+    from orchestrator.studies import over_gpu_budget
+    from workers.trial import TrialResult
+
+    result = TrialResult(trial_key="t", ok=True, gpu_bytes=5 * GIB, gpu_device_bytes=6 * GIB + CUDA_CONTEXT)
+    assert "the GPU's driver counted 6.75 GiB" in over_gpu_budget(result, 6 * GIB)
+    assert over_gpu_budget(result, 7 * GIB) is None and over_gpu_budget(result, None) is None
+    no_counter = TrialResult(trial_key="t", ok=True, gpu_bytes=7 * GIB)  # a Mac: llama.cpp's buffers decide
+    assert "llama.cpp allocated 7.00 GiB" in over_gpu_budget(no_counter, 6 * GIB)
+
+
+def test_nvidia_smis_count_for_one_process():
+    apps = "4242, 7955\n4243, 512\n4242, 100\n977, [N/A]\n"  # a row per process and GPU, MiB
+    assert parse_compute_apps(apps, 4242) == (7955 + 100) * 1024**2
+    assert parse_compute_apps(apps, 977) is None and parse_compute_apps(apps, 1) is None
+    assert parse_compute_apps("", 4242) is None
 
 
 def test_fit_is_llama_cpps_placement_on_the_estimate():

@@ -35,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from workers import knobs
-from workers.hardware import Fingerprint
+from workers.hardware import Fingerprint, process_gpu_bytes
 from workers.knobs import GGML_TYPES, check_on_node
 from workers.models import ModelInfo
 from workers.trial import (
@@ -287,6 +287,7 @@ def _run_child(spec: TrialSpec) -> TrialResult:
     load_log = "".join(llama.log)
     effective: dict | None = None
     context_gpu_bytes = 0  # the largest of the tests' contexts (one at a time, as llama-bench)
+    device_bytes: int | None = None  # the driver's count for this process, at each test's end
     vocab = lib.llama_model_get_vocab(model)
     n_vocab = lib.llama_vocab_n_tokens(vocab)
     bos = lib.llama_vocab_bos(vocab)
@@ -358,6 +359,10 @@ def _run_child(spec: TrialSpec) -> TrialResult:
             held = lib.llama_memory_seq_pos_max(memory, 0) + 1
             if held != depth + n_tokens:  # the depth was not where it was meant to be
                 raise RuntimeError(f"the KV cache holds {held} tokens after {kind}, not {depth}+{n_tokens}")
+        if params.n_gpu_layers > 0:  # every buffer of this test is held now, the context's included
+            now = process_gpu_bytes(os.getpid())
+            if now is not None:
+                device_bytes = max(device_bytes or 0, now)
         llama.free(ctx)
     measure_s = time.perf_counter() - t0
     kl = kl_divergence(llama, model, params) if spec.measure_kl and lossy(params) else None
@@ -379,6 +384,7 @@ def _run_child(spec: TrialSpec) -> TrialResult:
         effective=effective,
         kl_divergence=kl,
         gpu_bytes=gpu_buffer_bytes(load_log) + context_gpu_bytes,
+        gpu_device_bytes=device_bytes,
     )
 
 

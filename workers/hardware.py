@@ -325,6 +325,27 @@ def gpu_free_bytes() -> int | None:
     return None if free is None else free * 1024**2
 
 
+def process_gpu_bytes(pid: int) -> int | None:
+    """What NVIDIA's driver counts for one process on its GPUs (its CUDA context and every
+    allocation, ``nvidia-smi --query-compute-apps``), in bytes; None where there is no nvidia-smi,
+    or it does not list the process (none of its memory on a GPU, or another PID namespace)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_compute_apps(out, pid)
+
+
+def parse_compute_apps(text: str, pid: int) -> int | None:
+    """Bytes of ``pid`` in ``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits``
+    (a row per process and GPU, MiB; summed over GPUs); None where no usable row names it."""
+    mib = [_int(row[1]) for row in csv.reader(text.strip().splitlines())
+           if len(row) >= 2 and _int(row[0]) == pid]
+    counted = [m for m in mib if m is not None]
+    return sum(counted) * 1024**2 if counted else None
+
+
 def parse_nvidia_smi_csv(text: str) -> dict:
     """First GPU of ``nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv``."""
     rows = [r for r in csv.reader(text.strip().splitlines()) if r]

@@ -321,10 +321,12 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None, 
             samples = window_samples(run_level(server, None if served.rate else served.users, served.windows)["windows"])
         failed = sum(lv["figures"]["failed"] for lv in levels)
         from workers.bench import gpu_buffer_bytes
+        from workers.hardware import process_gpu_bytes
 
         return TrialResult(
             trial_key=spec.trial_key, ok=True, samples=samples, load_s=load_s, started_at=started,
             gpu_bytes=gpu_buffer_bytes(server.log),
+            gpu_device_bytes=process_gpu_bytes(server.proc.pid) if spec.params.n_gpu_layers else None,
             finished_at=time.time(), measure_s=time.time() - started, backend_info=json.dumps(build),
             effective=effective, served={"levels": levels, "build": build, "argv": server.argv[3:],
                                          "failed_requests": failed, "slo": str(target)})

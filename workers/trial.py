@@ -293,6 +293,9 @@ class TrialResult:
     # issue 23.1: peak GPU memory of the trial: llama.cpp's own buffers on GPU devices (the model's,
     # plus the largest context's KV, compute and output buffers), from its log; 0 on a CPU build
     gpu_bytes: int | None = None
+    # issue 23.1: the trial's process as NVIDIA's driver counts it at the peak (CUDA context
+    # included, nvidia-smi), None where no counter names it (no NVIDIA GPU, a CPU build)
+    gpu_device_bytes: int | None = None
     # issue 22.1: a served trial's levels (every request, each window's figures, the server's
     # /metrics), the server's build and command line (workers/served.py)
     served: dict | None = None

@@ -166,6 +166,8 @@ class Trial(Base):
     confirm_arm: Mapped[str | None] = mapped_column(String(40))  # its arm: a candidate, a baseline, A/A
     kl_divergence: Mapped[float | None] = mapped_column(Float)  # against the f16 KV cache (issue 20.4)
     gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)  # llama.cpp's GPU buffers at the peak (issue 23.1)
+    # the trial's process as the GPU's driver counts it at the peak, CUDA context included (issue 23.1)
+    gpu_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # a served trial (issue 22.1): each level's figures and /metrics, the server's build and argv
     served: Mapped[dict | None] = mapped_column(JSON)
     study: Mapped[Study] = relationship()

@@ -394,6 +394,7 @@ def finish_trials(session: Session, finished: list[FinishedTrial]) -> None:
                "load_s": r.load_s, "measure_s": r.measure_s, "peak_rss_bytes": r.peak_rss_bytes,
                "thermal_before": r.thermal_before, "thermal_after": r.thermal_after,
                "effective": r.effective, "kl_divergence": r.kl_divergence, "gpu_bytes": r.gpu_bytes,
+               "gpu_device_bytes": r.gpu_device_bytes,
                "finished_at": _ts(r.finished_at) or now}
         if r.simulated:
             row["simulated"] = True
