@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -41,6 +42,19 @@ def test_real_trial_measures_every_repetition(model_info):
     assert result.peak_rss_bytes > model_info.size_bytes // 2
     assert result.started_at <= result.finished_at
     assert "llama-cpp-python" in result.backend_info
+
+
+def test_a_trial_records_what_nvidia_smi_counts_for_its_process(model_info, tmp_path, monkeypatch):
+    # nvidia-smi as its CSV says: a row per process (its parent here: the measuring process) and GPU
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\necho "1, 99"\necho "$PPID, 1234"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    result = measure(_spec(model_info, workload=Workload(n_prompt=16, n_gen=4, reps=1)))
+    assert result.ok, result.error
+    assert result.gpu_device_bytes == 1234 * 1024**2 and result.gpu_bytes == 0  # a CPU build's buffers
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi: no count
+    assert measure(_spec(model_info, workload=Workload(n_prompt=16, n_gen=4, reps=1))).gpu_device_bytes is None
 
 
 def test_prompt_is_decoded_in_batch_sized_chunks(model_info):

@@ -359,10 +359,11 @@ def _run_child(spec: TrialSpec) -> TrialResult:
             held = lib.llama_memory_seq_pos_max(memory, 0) + 1
             if held != depth + n_tokens:  # the depth was not where it was meant to be
                 raise RuntimeError(f"the KV cache holds {held} tokens after {kind}, not {depth}+{n_tokens}")
-        if params.n_gpu_layers > 0:  # every buffer of this test is held now, the context's included
-            now = process_gpu_bytes(os.getpid())
-            if now is not None:
-                device_bytes = max(device_bytes or 0, now)
+        # every buffer of this test is held now, the context's included (at -ngl 0 too: a CUDA
+        # build's context and op offload's copies take device memory all the same)
+        now = process_gpu_bytes(os.getpid())
+        if now is not None:
+            device_bytes = max(device_bytes or 0, now)
         llama.free(ctx)
     measure_s = time.perf_counter() - t0
     kl = kl_divergence(llama, model, params) if spec.measure_kl and lossy(params) else None

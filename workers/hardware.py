@@ -329,6 +329,8 @@ def process_gpu_bytes(pid: int) -> int | None:
     """What NVIDIA's driver counts for one process on its GPUs (its CUDA context and every
     allocation, ``nvidia-smi --query-compute-apps``), in bytes; None where there is no nvidia-smi,
     or it does not list the process (none of its memory on a GPU, or another PID namespace)."""
+    if shutil.which("nvidia-smi") is None:  # a Mac, a machine with no NVIDIA driver: nothing to ask
+        return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10, check=True).stdout

@@ -326,7 +326,7 @@ def measure(spec: TrialSpec, stop_when: Callable[[], str | None] | None = None, 
         return TrialResult(
             trial_key=spec.trial_key, ok=True, samples=samples, load_s=load_s, started_at=started,
             gpu_bytes=gpu_buffer_bytes(server.log),
-            gpu_device_bytes=process_gpu_bytes(server.proc.pid) if spec.params.n_gpu_layers else None,
+            gpu_device_bytes=process_gpu_bytes(server.proc.pid),
             finished_at=time.time(), measure_s=time.time() - started, backend_info=json.dumps(build),
             effective=effective, served={"levels": levels, "build": build, "argv": server.argv[3:],
                                          "failed_requests": failed, "slo": str(target)})
