@@ -371,7 +371,9 @@ def test_tune_all_chips_across_hosts(fleet, lan, model_path):
     """A real `tune --all-chips` from the head's host: the real node measures with llama.cpp, the
     simulated Macs with the model; every study completes."""
     db = lan.head.root / "all.db"
-    done = lan.head.run(FLEETTUNE, "tune", str(model_path), "--all-chips", "--trials", "3",
+    # the fewest confirmation rounds: they rotate over the chip's nodes, and w3's trials take 20 s
+    # (five rounds put two of them and a warm-up there: 180 s of this test's 210-250)
+    done = lan.head.run(FLEETTUNE, "tune", str(model_path), "--all-chips", "--trials", "3", "--confirm-rounds", "3",
                         "--db", f"sqlite:///{db}", *TUNE, "--prompt-tokens", "16", "--gen-tokens", "4",
                         env=head_env(lan.head), timeout=600)
     rows = trials(db) if db.exists() else []
