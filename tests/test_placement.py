@@ -107,23 +107,35 @@ def test_llama_cpps_gpu_buffers_are_read_from_its_log():
     assert gpu_buffer_bytes(cpu) == 0
 
 
-class OverBudgetFleet(VirtualFleet):
-    """The virtual fleet, where llama.cpp allocates twice what the estimate says (an estimate
-    that is wrong for this build, say)."""
+class GpuMemoryFleet(VirtualFleet):
+    """The virtual fleet, where ``alter`` changes what a trial with GPU memory reports (llama.cpp
+    allocating more than the estimate, a driver counting a CUDA context beside it)."""
+
+    def __init__(self, alter, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.alter = alter
 
     def result(self, ref: int, trial_key: str):
         result = super().result(ref, trial_key)
         if result.gpu_bytes:
-            result.gpu_bytes *= 2
+            self.alter(result)
         return result
 
 
+def budget_study(url: str, alter, name: str, n_trials: int) -> StudyRunner:
+    """A simulated study of the dense model under a 6 GiB budget on a GpuMemoryFleet."""
+    fleet = GpuMemoryFleet(alter, CHIP, 2, trial_s=0.0, prefix="node", seed=3)
+    config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=n_trials, sampler="tpe", seed=1,
+                         gpu_budget="6GiB", name=name)
+    return StudyRunner(open_database(url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
+                       alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+
+
 def test_a_trial_that_ran_over_the_budget_fails_whatever_its_speed(sqlite_url):
-    fleet = OverBudgetFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=3)
-    config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=8, sampler="tpe", seed=1,
-                         gpu_budget="6GiB", name="over")
-    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
-                      alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+    def twice(result):  # llama.cpp allocates twice what the estimate says (wrong for this build, say)
+        result.gpu_bytes *= 2
+
+    run = budget_study(sqlite_url, twice, "over", 8)
     with contextlib.suppress(StudyPaused):  # its failure budget spent: what it measured is kept all the same
         run.run()
     with run.db.session() as s:
@@ -137,23 +149,11 @@ def test_a_trial_that_ran_over_the_budget_fails_whatever_its_speed(sqlite_url):
 CUDA_CONTEXT = 3 * GIB // 4  # about 0.5 GiB on the H200 (issue 23's leases)
 
 
-class CudaContextFleet(VirtualFleet):
-    """The virtual fleet, where the GPU's driver holds a CUDA context beside llama.cpp's buffers
-    for every trial with a layer on the GPU."""
-
-    def result(self, ref: int, trial_key: str):
-        result = super().result(ref, trial_key)
-        if result.gpu_bytes:
-            result.gpu_device_bytes = result.gpu_bytes + CUDA_CONTEXT
-        return result
-
-
 def test_the_drivers_count_is_stored_and_its_overhead_refused_before_loading(sqlite_url):
-    fleet = CudaContextFleet(CHIP, 2, trial_s=0.0, prefix="node", seed=3)
-    config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=6, sampler="tpe", seed=1,
-                         gpu_budget="6GiB", name="context")
-    run = StudyRunner(open_database(sqlite_url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
-                      alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
+    def with_context(result):  # the GPU's driver holds a CUDA context beside llama.cpp's buffers
+        result.gpu_device_bytes = result.gpu_bytes + CUDA_CONTEXT
+
+    run = budget_study(sqlite_url, with_context, "context", 6)
     run.run()
     assert run.device_overhead_bytes == CUDA_CONTEXT  # learnt from the trials it measured
     with run.db.session() as s:

@@ -311,11 +311,10 @@ def parse_cpuinfo(text: str) -> dict:
 def nvidia_smi_mib(field: str) -> int | None:
     """One figure of the first NVIDIA GPU in MiB (``memory.used``, ``memory.free``); None where
     there is no nvidia-smi or it says nothing usable."""
+    out = _run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"])
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
         return int(out.strip().splitlines()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
 
 
@@ -329,14 +328,8 @@ def process_gpu_bytes(pid: int) -> int | None:
     """What NVIDIA's driver counts for one process on its GPUs (its CUDA context and every
     allocation, ``nvidia-smi --query-compute-apps``), in bytes; None where there is no nvidia-smi,
     or it does not list the process (none of its memory on a GPU, or another PID namespace)."""
-    if shutil.which("nvidia-smi") is None:  # a Mac, a machine with no NVIDIA driver: nothing to ask
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_compute_apps(out, pid)
+    return parse_compute_apps(_run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                    "--format=csv,noheader,nounits"]), pid)
 
 
 def parse_compute_apps(text: str, pid: int) -> int | None:
