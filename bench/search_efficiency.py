@@ -44,6 +44,18 @@ first design's best guess truly is to the optimum (every truth, chip and model).
         [--models "LLaMA-2 7B Q4_0,qwen3-30b-a3b/q4_k_m"] [--truths 20] [--spread 0.15]
 
 A chip given with its memory ("M2 Pro/19/16") keeps it; one without gets at least 32 GB.
+
+Measured landscapes (``--landscape GRID.json:TEST:BUDGET``, issue 23.6b): a grid measured on a
+device by bench/placement_grid.py is the truth instead of the simulator. The space is the grid's
+(its placements, threads, flash attention, micro-batches); a trial measures its point's median
+times Gaussian noise of the grid's own spread between repetitions; a point whose measured peak was
+over the budget fails, as a study refuses it; the optimum is the grid's best point within the
+budget. Variants: ``study`` (the first design of a study with a budget on a GPU that is not a
+Mac's: llama.cpp's defaults, which are full offload, and --fit's placement in the knobs' terms;
+there is no calibrated prediction for such a GPU) and ``no-first-design``.
+
+    python bench/search_efficiency.py --landscape grid-moe-16.json:tg128:16GiB \
+        --landscape grid-moe-16.json:pp512:16GiB --samplers tpe,gp,random,seed-scan --seeds 20 --budget 40
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import optuna
@@ -71,6 +83,7 @@ from orchestrator.space import (  # noqa: E402
     predicted_optimum,
 )
 from workers import placement, simulated  # noqa: E402
+from workers.knobs import optuna_name  # noqa: E402
 from workers.objective import objective as objective_named  # noqa: E402
 from workers.simulated import ModelConstants  # noqa: E402
 from workers.trial import BenchParams, TrialSpec, Workload  # noqa: E402
@@ -195,44 +208,220 @@ def variant_space(chip, shape, variant: str, objective: str, workload: Workload)
     return space
 
 
-def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, objective: str,
-              scenario: str, optimum: float, warm=(), workload: Workload = WORKLOAD,
-              truth: ModelConstants | None = None) -> int:
-    """Trials until the incumbent is truly within 2 % of the optimum (budget + 1 if never).
-
-    ``warm``: configurations measured first (moved into the space), as a new study's first design
-    and warm start are. ``truth``: what the simulated node measures and the optimum is of (None:
-    the calibrated model).
-    """
-    direction = objective_named(objective).direction.value
+def run_search(space, sampler_name: str, seed: int, budget: int, direction: str, measure, true_of,
+               optimum: float, warm=()) -> int:
+    """The study's loop, ask/tell as a real study does: trials until the incumbent (the best
+    observed) is truly within 2 % of the optimum (budget + 1 if never). ``measure(params, n)``: the
+    trial's measured value, None where it fails; ``true_of(params)``: its true value; ``warm``:
+    configurations measured first, as a new study's first design and warm start are."""
     study = optuna.create_study(direction=direction,
                                 sampler=make_sampler(sampler_name, space, budget, direction, seed))
     for params in warm:
         study.enqueue_trial(space.optuna_params(space.clip(params)), skip_if_exists=True)
-    node = simulated.SimulatedNode(chip, shape_for=lambda _: shape, scenario=scenario, seed=seed, constants=truth)
     best_observed, incumbent = None, None
     for n in range(1, budget + 1):
         trial = study.ask()
         params = space.suggest(trial)
-        if params.n_ubatch < 1:  # refused by llama.cpp: a failed trial
+        value = measure(params, n)
+        if value is None:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             continue
-        spec = TrialSpec(shape.path, "x", params, workload, trial_key=f"{seed}-{n}")
-        result = node.measure(spec)
-        if not result.ok:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            continue
-        target = objective_named(objective)
-        value = target.value(result.pp.median if result.pp else None, result.tg.median if result.tg else None,
-                             workload.n_prompt, workload.n_gen)
         study.tell(trial, value)
         better = best_observed is None or (value > best_observed if direction == "maximize" else value < best_observed)
         if better:
             best_observed, incumbent = value, params
-        if incumbent is not None and true_value(chip, shape, incumbent, objective, scenario, workload,
-                                                truth) >= 0.98 * optimum:
+        if incumbent is not None and true_of(incumbent) >= 0.98 * optimum:
             return n
     return budget + 1
+
+
+def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, objective: str,
+              scenario: str, optimum: float, warm=(), workload: Workload = WORKLOAD,
+              truth: ModelConstants | None = None) -> int:
+    """A study on a simulated node of the truth (None: the calibrated model): trials until the
+    incumbent is truly within 2 % of the optimum (budget + 1 if never)."""
+    target = objective_named(objective)
+    node = simulated.SimulatedNode(chip, shape_for=lambda _: shape, scenario=scenario, seed=seed, constants=truth)
+
+    def measure(params: BenchParams, n: int) -> float | None:
+        if params.n_ubatch < 1:  # refused by llama.cpp: a failed trial
+            return None
+        result = node.measure(TrialSpec(shape.path, "x", params, workload, trial_key=f"{seed}-{n}"))
+        if not result.ok:
+            return None
+        return target.value(result.pp.median if result.pp else None, result.tg.median if result.tg else None,
+                            workload.n_prompt, workload.n_gen)
+
+    return run_search(space, sampler_name, seed, budget, target.direction.value, measure,
+                      lambda p: true_value(chip, shape, p, objective, scenario, workload, truth), optimum, warm)
+
+
+# ---------------------------------------------------------------- measured landscapes (issue 23.6b)
+
+LANDSCAPE_VARIANTS = ("study", "no-first-design")
+LANDSCAPE_SAMPLERS = ("tpe", "gp", "random", "seed-scan")
+NGL, THREADS, FLASH_ATTN, UBATCH = (optuna_name(f) for f in ("n_gpu_layers", "n_threads", "flash_attn", "n_ubatch"))
+MIN_NOISE_CV = 0.01
+
+
+@dataclass(frozen=True)
+class LandscapeSpace:
+    """A grid measured by bench/placement_grid.py as a study's space: its placements (ordered from
+    least to most on the GPU), threads, flash attention and micro-batches, the values a study can
+    propose. Placements and threads are proposed as integers in the grid's order (an index, so a
+    sampler sees the order; the grid's threads are spaced as a log scale would space them); a
+    configuration is (placement, threads, flash attention, micro-batch). ``ngl_min``, ``ngl_max``,
+    ``threads_max`` and ``batch_choices`` are what SeedScanSampler reads of a space: its thread scan
+    runs at the placement with the least on the GPU, as the hand method runs it at -ngl 0."""
+
+    placements: tuple[str, ...]
+    threads: tuple[int, ...]
+    fa_modes: tuple[str, ...]
+    ubatches: tuple[int, ...]
+    ngl_min: int = 0
+
+    @property
+    def ngl_max(self) -> int:
+        return len(self.placements) - 1
+
+    @property
+    def threads_max(self) -> int:
+        return len(self.threads)
+
+    @property
+    def batch_choices(self) -> tuple[int, ...]:
+        return self.ubatches
+
+    def suggest(self, trial) -> tuple:
+        where = self.placements[trial.suggest_int(NGL, 0, self.ngl_max)]
+        threads = self.threads[trial.suggest_int(THREADS, 1, self.threads_max) - 1]
+        fa = trial.suggest_categorical(FLASH_ATTN, list(self.fa_modes))
+        ub = trial.suggest_categorical(UBATCH, list(self.ubatches)) if len(self.ubatches) > 1 else self.ubatches[0]
+        return where, threads, fa, ub
+
+    def optuna_params(self, config: tuple) -> dict:
+        where, threads, fa, ub = config
+        values = {NGL: self.placements.index(where), THREADS: self.threads.index(threads) + 1, FLASH_ATTN: fa}
+        return values | ({UBATCH: ub} if len(self.ubatches) > 1 else {})
+
+    def clip(self, config: tuple) -> tuple:
+        return config
+
+
+@dataclass(frozen=True)
+class Landscape:
+    """One test of a measured grid under one budget: each configuration's median (0 over the
+    budget by its measured peak, or failed), the noise of a single measurement, llama.cpp's
+    defaults and --fit's placement as configurations of the grid (a study's first design)."""
+
+    space: LandscapeSpace
+    truth: dict[tuple, float]
+    noise_cv: float
+    first_design: tuple[tuple, ...]
+    fit_alone: float | None  # --fit's placement with llama-bench's defaults for the rest, measured
+    description: str
+
+    @property
+    def optimum(self) -> float:
+        return max(self.truth.values())
+
+
+def placement_order(label: str) -> tuple:
+    """Least on the GPU first: fewer GPU layers, or more layers' experts on the CPU."""
+    kind, _, value = label.partition(" ")
+    return (0, int(value)) if kind == "ngl" else (0, -int(value))
+
+
+def load_landscape(path: str, test: str, budget: str) -> Landscape:
+    """``test`` of the grid in ``path`` under ``budget`` (one of the grid's budgets)."""
+    import json
+
+    grid = json.loads(Path(path).read_text())
+    if budget not in grid["budgets"]:
+        raise SystemExit(f"error: {path} has no budget {budget!r} (it has {', '.join(grid['budgets'])})")
+    limit_mib = grid["budgets"][budget]["bytes"] / 1024**2
+    points = [p for p in grid["points"] if p["test"] == test]
+    if not points:
+        raise SystemExit(f"error: {path} has no test {test!r} (it has {', '.join(grid['tests'])})")
+    fit_label = f"--fit {budget}"
+    searched = [p for p in points if not p["placement"].startswith("--fit ")]
+    truth: dict[tuple, float] = {}
+    for p in searched:
+        params = p["params"]
+        within = p["peak_mib"] is None or p["peak_mib"] <= limit_mib
+        config = (p["placement"], params["n_threads"], params["flash_attn"], params["n_ubatch"])
+        truth[config] = p["median"] if p["median"] and within else 0.0
+    space = LandscapeSpace(tuple(sorted({c[0] for c in truth}, key=placement_order)),
+                           tuple(sorted({c[1] for c in truth})), tuple(dict.fromkeys(c[2] for c in truth)),
+                           tuple(sorted({c[3] for c in truth})))
+    spreads = [abs(a - b) / ((a + b) / 2) / 2**0.5 for p in searched if len(p["samples"]) >= 2
+               for a, b in [p["samples"][:2]]]
+    noise = max(statistics.median(spreads) if spreads else MIN_NOISE_CV, MIN_NOISE_CV)
+    alone = next((p for p in points if p["placement"] == fit_label and p["alone"]), None)
+    defaults = alone["params"] if alone and alone["params"] else {"n_threads": max(space.threads)}
+
+    def nearest(values, value):
+        return min(values, key=lambda v: (abs(v - value), v))
+
+    threads = nearest(space.threads, defaults["n_threads"])
+    fa = "on" if "on" in space.fa_modes else space.fa_modes[-1]  # llama.cpp's auto is on for CUDA and Metal
+    ub = nearest(space.ubatches, 512)
+    design = [(space.placements[-1], threads, fa, ub)]  # full offload and llama.cpp's defaults: the most GPU
+    fit_knobs = grid["budgets"][budget]["fit_knobs"]
+    fit_place = (f"ngl {fit_knobs['n_gpu_layers']}" if not grid.get("n_expert") or grid["n_expert"] <= 1
+                 else f"ncmoe {fit_knobs['n_cpu_moe']}")
+    if fit_place in space.placements:  # --fit's placement as the study's knobs say it
+        design.append((fit_place, threads, fa, ub))
+    text = (f"{Path(path).name} {test} under {budget}: {len(space.placements)} placements x "
+            f"{len(space.threads)} threads x {len(space.fa_modes)} attention x {len(space.ubatches)} micro-batches "
+            f"= {len(truth)} configurations, {sum(v > 0 for v in truth.values())} within the budget; "
+            f"noise {noise:.1%} (single measurements); first design {design}")
+    return Landscape(space, truth, noise, tuple(design), alone["median"] if alone else None, text)
+
+
+def run_landscape(landscape: Landscape, sampler: str, variant: str, seed: int, budget: int) -> int:
+    """A study on the measured grid: a trial measures its configuration's median times the grid's
+    noise (seeded); over the budget or failed, it fails."""
+    import random
+
+    rng = random.Random(seed)
+
+    def measure(config: tuple, n: int) -> float | None:
+        true = landscape.truth[config]
+        return true * rng.gauss(1.0, landscape.noise_cv) if true > 0 else None
+
+    warm = landscape.first_design if variant == "study" else ()
+    return run_search(landscape.space, sampler, seed, budget, "maximize", measure, landscape.truth.__getitem__,
+                      landscape.optimum, warm)
+
+
+def main_landscape(args) -> int:
+    samplers, notes = runnable(args.samplers.split(","))
+    variants = [v for v in args.variants.split(",") if v in LANDSCAPE_VARIANTS] or list(LANDSCAPE_VARIANTS)
+    rows = []
+    started = time.time()
+    for spec in args.landscape:
+        path, _, rest = spec.partition(":")
+        test, _, budget = rest.partition(":")
+        landscape = load_landscape(path, test, budget)
+        best = max(landscape.truth, key=landscape.truth.__getitem__)
+        fit = f"{landscape.fit_alone:.1f}" if landscape.fit_alone else "none"
+        print(f"{landscape.description}; optimum {landscape.optimum:.1f} tok/s at {best}; --fit alone {fit}")
+        for sampler, variant in itertools.product(samplers, variants):
+            ns = [run_landscape(landscape, sampler, variant, seed, args.budget) for seed in range(args.seeds)]
+            rows.append((Path(path).name, test, budget, sampler, variant, ns))
+    print(f"{args.seeds} seeds a row, budget {args.budget} trials ({args.budget + 1} = never), "
+          f"{time.time() - started:.0f}s")
+    for note in notes:
+        print(note)
+    print("| grid | test | budget | sampler | variant | median trials to 98 % | range | p90 | reached within budget |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for name, test, budget, sampler, variant, ns in rows:
+        reached = sum(n <= args.budget for n in ns) / len(ns)
+        p90 = statistics.quantiles(ns, n=10)[-1] if len(ns) > 1 else ns[0]
+        print(f"| {name} | {test} | {budget} | {sampler} | {variant} | {statistics.median(ns):g} | "
+              f"{min(ns)}-{max(ns)} | {p90:g} | {reached:.0%} |")
+    return 0
 
 
 def parse_models(text: str | None) -> dict[str, tuple[str, str]]:
@@ -290,7 +479,12 @@ def main() -> int:
     ap.add_argument("--truths", type=int, default=0,
                     help="perturbed truths (0: the calibrated model is the truth, as its prediction)")
     ap.add_argument("--spread", type=float, default=0.15, help="each constant of a truth x U[1-spread, 1+spread]")
+    ap.add_argument("--landscape", action="append", default=[], metavar="GRID.json:TEST:BUDGET",
+                    help="a grid measured by bench/placement_grid.py as the truth instead of the simulator "
+                         "(repeatable), e.g. grid.json:tg128:8GiB; variants study and no-first-design")
     args = ap.parse_args()
+    if args.landscape:
+        return main_landscape(args)
     chips, models = parse_chips(args.chips), parse_models(args.models)
     workload = replace(WORKLOAD, depth=args.depth)
     samplers, notes = runnable(args.samplers.split(","))

@@ -411,3 +411,42 @@ def test_llama_fit_params_places_the_real_model_and_the_referee_runs_it(llama_be
     rows = json.loads(report.read_text())["tests"]
     assert rows["pp32"]["one"]["median"] > 0 and rows["tg8"]["llama.cpp --fit"]["median"] > 0
     assert rows["tg8"]["one"]["vs_fit"]["text"]  # a ratio with its interval, from the paired rounds
+
+
+def test_a_placement_grid_of_the_real_model_is_measured_point_by_point(llama_bench, model_path, tmp_path):
+    """bench/placement_grid.py measures every point of the product with the real llama-bench (one
+    process per placement and test), --fit's placement alone and crossed, and its best point's
+    flags are what the referee is given."""
+    import subprocess
+    import sys
+
+    fitter = require_llama_tool("llama-fit-params")
+    grid = tmp_path / "grid.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "placement_grid.py"), "--model", str(model_path),
+                           "--budget", "1GiB", "--ngl", "0,31", "--threads", "1,2", "--fa", "off,on",
+                           "--ubatch", "16,32", "--tests", "tg4,pp32", "-r", "2", "--llama-bench", llama_bench,
+                           "--fit-params", fitter, "--json", str(grid)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(grid.read_text())
+    points = report["points"]
+    searched = [p for p in points if not p["placement"].startswith("--fit")]
+    # 2 placements x 2 threads x 2 attention, tg at one micro-batch and pp at two
+    assert len([p for p in searched if p["test"] == "tg4"]) == 8
+    assert len([p for p in searched if p["test"] == "pp32"]) == 16
+    assert all(len(p["samples"]) == 2 and p["median"] > 0 and p["error"] is None for p in points)
+    keys = {(p["placement"], p["test"], p["params"]["n_threads"], p["params"]["flash_attn"], p["params"]["n_ubatch"])
+            for p in searched}
+    assert len(keys) == 24  # each point its own row of llama-bench's output, none read twice
+    alone = [p for p in points if p["alone"]]
+    assert {p["test"] for p in alone} == {"tg4", "pp32"} and alone[0]["placement"] == "--fit 1GiB"
+    assert report["budgets"]["1GiB"]["fit_flags"][0] == "-ngl"
+    flags = subprocess.run([sys.executable, str(ROOT / "bench" / "placement_grid.py"), "--best",
+                            f"{grid}:pp32:1GiB"], capture_output=True, text=True, check=True).stdout.split()
+    best = max((p for p in searched if p["test"] == "pp32"), key=lambda p: p["median"])
+    assert flags[flags.index("-t") + 1] == str(best["params"]["n_threads"])
+    assert flags[flags.index("-ub") + 1] == str(best["params"]["n_ubatch"])
+    assert "best of 16 points within the budget" in done.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "placement_grid.py"), "--best", f"{grid}:tg9:1GiB"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import asdict, replace
+
+import optuna
 
 from bench import search_efficiency as se
 from orchestrator.space import SearchSpace
@@ -53,3 +55,58 @@ def test_a_chip_given_with_its_memory_keeps_it():
     assert small.memory_gb == 16 and floored.memory_gb == se.MEMORY_FLOOR_GB
     assert se.parse_models("qwen3-30b-a3b/q4_k_m") == {"qwen3-30b-a3b/q4_k_m": ("qwen3-30b-a3b", "q4_k_m")}
     assert se.parse_models(None) == se.MODELS
+
+
+def landscape_file(tmp_path, peak_of=lambda ncmoe: 1000):
+    """A measured grid as bench/placement_grid.py writes it: a mixture whose fewer experts on the CPU
+    are faster, whose fewest (ncmoe 1) ran over the 8 GiB budget; threads matter, attention a little."""
+    import json
+
+    points = []
+    for ncmoe, threads, fa in itertools.product((1, 2, 4, 8), (4, 8, 16), ("off", "on")):
+        rate = 100.0 / ncmoe * {4: 0.5, 8: 0.8, 16: 1.0}[threads] * (1.02 if fa == "on" else 1.0)
+        params = BenchParams(49, threads, 512, 512, flash_attn=fa, n_cpu_moe=ncmoe)
+        points.append({"placement": f"ncmoe {ncmoe}", "test": "tg128", "params": asdict(params), "alone": False,
+                       "samples": [rate * 0.99, rate * 1.01], "median": rate,
+                       "peak_mib": 9000 if ncmoe == 1 else peak_of(ncmoe), "error": None})
+    fit = BenchParams(49, 16, 2048, 512, flash_attn="auto")
+    points.append({"placement": "--fit 8GiB", "test": "tg128", "params": asdict(fit), "alone": True,
+                   "samples": [20.0, 20.0], "median": 20.0, "peak_mib": 7000, "error": None})
+    grid = {"model": "m.gguf", "n_layer": 48, "n_expert": 128, "tests": ["tg128"], "reps": 2,
+            "budgets": {"8GiB": {"bytes": 8 * 1024**3, "fit_flags": ["-ngl", "49", "-ot", "x=CPU"],
+                                 "fit_knobs": {"n_gpu_layers": 49, "n_cpu_moe": 4}}},
+            "points": points}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(grid))
+    return path
+
+
+def test_a_measured_landscape_is_the_truth_over_the_budget_by_its_measured_peak(tmp_path):
+    land = se.load_landscape(str(landscape_file(tmp_path)), "tg128", "8GiB")
+    assert land.space.placements == ("ncmoe 8", "ncmoe 4", "ncmoe 2", "ncmoe 1")  # least on the GPU first
+    assert land.truth[("ncmoe 1", 16, "on", 512)] == 0.0  # its peak was over the budget: fails
+    assert land.optimum == 50.0 * 1.02  # ncmoe 2, 16 threads, attention on
+    assert abs(land.noise_cv - 0.02 / 2**0.5) < 1e-9  # the two repetitions' spread
+    # first design: llama.cpp's defaults (the most on the GPU: over the budget here), --fit's placement
+    assert land.first_design == (("ncmoe 1", 16, "on", 512), ("ncmoe 4", 16, "on", 512))
+    assert land.fit_alone == 20.0
+
+
+def test_a_study_on_a_measured_landscape_is_judged_on_its_medians(tmp_path):
+    land = se.load_landscape(str(landscape_file(tmp_path)), "tg128", "8GiB")
+    space = land.space
+    # the space proposes only the grid's points, and says each one back as it proposed it
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=3))
+    for _ in range(20):
+        trial = study.ask()
+        config = space.suggest(trial)
+        assert config in land.truth and space.optuna_params(config) == trial.params
+        study.tell(trial, 1.0)
+    counts = [se.run_landscape(land, sampler, variant, seed, 24)
+              for sampler in ("random", "seed-scan", "tpe") for variant in ("study", "no-first-design")
+              for seed in range(3)]
+    assert all(1 <= n <= 25 for n in counts)
+    # the first design's two trials: the over-budget defaults fail, --fit's placement is at half the optimum
+    assert se.run_landscape(land, "random", "study", 0, 2) == 3
+    # the hand method: threads at the least on the GPU (ncmoe 8), then the placements at its best threads
+    assert se.run_landscape(land, "seed-scan", "no-first-design", 0, 24) <= 3 + 4
