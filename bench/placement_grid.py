@@ -18,7 +18,8 @@ against ``--fit`` by bench/fit_referee.py (a maximum over many noisy points is b
     python bench/placement_grid.py --model MOE.gguf --budget 16GiB --ncmoe 2,3,4,6,8 ...
 
 The JSON is what ``bench/search_efficiency.py --landscape`` reads; ``python bench/placement_grid.py
---best GRID.json:TEST:BUDGET`` prints the llama-bench flags of its best point within the budget. The tools are found as
+--best GRID.json:TEST:BUDGET`` prints the llama-bench flags of its best point within the budget
+(in every test: ``run_peaks``), ``--summary GRID.json`` the summary again. The tools are found as
 fleettune finds them (FLEETTUNE_LLAMA_BENCH, FLEETTUNE_LLAMA_FIT_PARAMS, ``fleettune tools
 build``, PATH).
 """
@@ -191,24 +192,52 @@ def plan(args, model_path: str) -> tuple[list[Group], dict]:
     return groups, meta
 
 
+def run_peaks(points: list[dict]) -> dict[tuple, int]:
+    """The peak GPU memory of each placement at each micro-batch over every test of the grid: a run
+    that processes a prompt before it generates needs the prompt's buffers too (on the H200, CUDA's
+    pool grew 150-190 MiB more in pp512 than in tg128 at the same -ub), so a configuration is within a
+    budget only if every test of it was."""
+    peaks: dict[tuple, int] = {}
+    for p in points:
+        if p["params"] is not None and p["peak_mib"] is not None:
+            at = (p["placement"], p["alone"], p["params"]["n_ubatch"])
+            peaks[at] = max(peaks.get(at, 0), p["peak_mib"])
+    return peaks
+
+
+def within_budget(point: dict, peaks: dict[tuple, int], limit_mib: float) -> bool:
+    """Whether ``point``'s configuration stayed within the budget in every test (True where no peak
+    was measured: no nvidia-smi)."""
+    if point["params"] is None:
+        return point["peak_mib"] is None or point["peak_mib"] <= limit_mib
+    peak = peaks.get((point["placement"], point["alone"], point["params"]["n_ubatch"]))
+    return peak is None or peak <= limit_mib
+
+
+def best_within(report: dict, test: str, budget: str) -> tuple[dict | None, int]:
+    """The best point of ``test`` within ``budget`` among the searched placements (not --fit's),
+    and how many points were within it."""
+    limit_mib = report["budgets"][budget]["bytes"] / llamatools.MIB
+    peaks = run_peaks(report["points"])
+    inside = [p for p in report["points"] if p["test"] == test and p["median"] and not p["alone"]
+              and not p["placement"].startswith(FIT_PREFIX) and within_budget(p, peaks, limit_mib)]
+    return max(inside, key=lambda p: p["median"], default=None), len(inside)
+
+
 def summary(report: dict) -> list[str]:
     """Per budget and test: the best point within the budget, and --fit's placement alone."""
     lines = []
-    for name, budget in report["budgets"].items():
-        limit_mib = budget["bytes"] / llamatools.MIB
+    for name in report["budgets"]:
         for test in report["tests"]:
-            inside = [p for p in report["points"] if p["test"] == test and p["median"] and not p["alone"]
-                      and not p["placement"].startswith(FIT_PREFIX)
-                      and (p["peak_mib"] is None or p["peak_mib"] <= limit_mib)]
+            best, count = best_within(report, test, name)
             fit = next((p for p in report["points"] if p["test"] == test and p["alone"]
                         and p["placement"] == FIT_PREFIX + name), None)
-            best = max(inside, key=lambda p: p["median"], default=None)
             if best is None or fit is None or not fit["median"]:
                 lines.append(f"{name} {test}: best {best and best['median']}, --fit {fit and fit['median']}")
                 continue
             params = best["params"]
             lines.append(f"{name} {test}: --fit alone {fit['median']:.2f} tok/s (peak {fit['peak_mib']} MiB); "
-                         f"best of {len(inside)} points within the budget {best['median']:.2f} "
+                         f"best of {count} points within the budget in every test {best['median']:.2f} "
                          f"({best['placement']} -t {params['n_threads']} -fa {params['flash_attn']} "
                          f"-ub {params['n_ubatch']}, peak {best['peak_mib']} MiB): "
                          f"{best['median'] / fit['median']:.3f}x (single runs: confirm with bench/fit_referee.py)")
@@ -237,25 +266,25 @@ def run(args) -> dict:
 
 def best_flags(spec: str) -> str:
     """``GRID.json:TEST:BUDGET``: the llama-bench flags of the grid's best point of TEST within
-    BUDGET (by its measured peak), for bench/fit_referee.py's --config."""
+    BUDGET (by its measured peaks, in every test), for bench/fit_referee.py's --config."""
     path, _, rest = spec.partition(":")
     test, _, budget = rest.partition(":")
     grid = json.loads(Path(path).read_text())
     if budget not in grid["budgets"] or test not in grid["tests"]:
         raise BadInput(f"{spec}: the grid has budgets {', '.join(grid['budgets'])} and tests {', '.join(grid['tests'])}")
-    limit_mib = grid["budgets"][budget]["bytes"] / llamatools.MIB
-    inside = [p for p in grid["points"] if p["test"] == test and p["median"] and not p["alone"]
-              and not p["placement"].startswith(FIT_PREFIX) and (p["peak_mib"] is None or p["peak_mib"] <= limit_mib)]
-    if not inside:
+    best, _ = best_within(grid, test, budget)
+    if best is None:
         raise BadInput(f"{spec}: no point of {test} within {budget}")
-    best = max(inside, key=lambda p: p["median"])
     return knobs.flags(BenchParams(**best["params"]), "llama-bench")
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--best":
+    if len(sys.argv) == 3 and sys.argv[1] in ("--best", "--summary"):
         try:
-            print(best_flags(sys.argv[2]))
+            if sys.argv[1] == "--best":
+                print(best_flags(sys.argv[2]))
+            else:
+                print("\n".join(summary(json.loads(Path(sys.argv[2]).read_text()))))
         except (BadInput, OSError, ValueError, KeyError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

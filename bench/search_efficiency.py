@@ -1,6 +1,7 @@
-"""Search efficiency on the simulated fleet: trials until a study's pick is within 2 % of the true
-optimum, in the search space of today's llama.cpp (flash attention off/on/auto, K and V cache
-types, n_threads_batch where the objective has a prompt, n_cpu_moe where experts do not fit).
+"""Search efficiency on the simulated fleet and on grids measured on a device: trials until a
+study's pick is within 2 % of the true optimum, in the search space of today's llama.cpp (flash
+attention off/on/auto, K and V cache types, n_threads_batch where the objective has a prompt,
+n_cpu_moe where experts do not fit).
 
 For every chip bin x model: the true optimum by exhaustive enumeration on the noiseless model, over
 every configuration llama.cpp accepts (threads up to every logical core, whatever the space
@@ -48,11 +49,16 @@ A chip given with its memory ("M2 Pro/19/16") keeps it; one without gets at leas
 Measured landscapes (``--landscape GRID.json:TEST:BUDGET``, issue 23.6b): a grid measured on a
 device by bench/placement_grid.py is the truth instead of the simulator. The space is the grid's
 (its placements, threads, flash attention, micro-batches); a trial measures its point's median
-times Gaussian noise of the grid's own spread between repetitions; a point whose measured peak was
-over the budget fails, as a study refuses it; the optimum is the grid's best point within the
-budget. Variants: ``study`` (the first design of a study with a budget on a GPU that is not a
+times Gaussian noise of the grid's own spread (the CV of a point's mean of two repetitions: the
+standard deviation of log(second / first) over the grid, halved; the first repetition's like
+slowdown at every point moves no point against another); a point whose measured peak, in any test of its
+placement and micro-batch, was over the budget is refused before loading, as a study refuses it
+(told the penalty, no trial spent); the optimum is the grid's best point within the budget.
+Variants: ``study`` (the first design of a study with a budget on a GPU that is not a
 Mac's: llama.cpp's defaults, which are full offload, and --fit's placement in the knobs' terms;
-there is no calibrated prediction for such a GPU) and ``no-first-design``.
+there is no calibrated prediction for such a GPU), ``no-first-design``, and ``study-edge``: ``study``
+plus the placement with the most on the GPU that fits the budget, at llama.cpp's defaults (a guess
+from memory alone: the estimate with the driver's measured overhead; not what ``tune`` does today).
 
     python bench/search_efficiency.py --landscape grid-moe-16.json:tg128:16GiB \
         --landscape grid-moe-16.json:pp512:16GiB --samplers tpe,gp,random,seed-scan --seeds 20 --budget 40
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import sys
 import time
@@ -72,6 +79,7 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import placement_grid  # noqa: E402
 from orchestrator.samplers import make_sampler  # noqa: E402
 from orchestrator.space import (  # noqa: E402
     CACHE_TYPES,
@@ -82,6 +90,7 @@ from orchestrator.space import (  # noqa: E402
     moe_layout,
     predicted_optimum,
 )
+from orchestrator.studies import MAX_FAILED_PROPOSALS  # noqa: E402
 from workers import placement, simulated  # noqa: E402
 from workers.knobs import optuna_name  # noqa: E402
 from workers.objective import objective as objective_named  # noqa: E402
@@ -208,24 +217,44 @@ def variant_space(chip, shape, variant: str, objective: str, workload: Workload)
     return space
 
 
+REFUSED = "refused"  # measure(): refused before loading, no trial spent
+
+
 def run_search(space, sampler_name: str, seed: int, budget: int, direction: str, measure, true_of,
                optimum: float, warm=()) -> int:
-    """The study's loop, ask/tell as a real study does: trials until the incumbent (the best
-    observed) is truly within 2 % of the optimum (budget + 1 if never). ``measure(params, n)``: the
-    trial's measured value, None where it fails; ``true_of(params)``: its true value; ``warm``:
-    configurations measured first, as a new study's first design and warm start are."""
+    """The study's loop, ask/tell as a real study does (orchestrator/studies.py): trials until the
+    incumbent (the best observed) is truly within 2 % of the optimum (budget + 1 if never).
+    ``measure(params, n)``: the trial's measured value, None where it fails, REFUSED where the study
+    refuses it before loading (over the budget by its estimate: told the penalty, no trial spent);
+    a failure is told the penalty too (issue 20.6: half the worst rate measured, so every sampler
+    learns to avoid it). ``true_of(params)``: its true value; ``warm``: configurations measured
+    first, as a new study's first design and warm start are."""
     study = optuna.create_study(direction=direction,
                                 sampler=make_sampler(sampler_name, space, budget, direction, seed))
     for params in warm:
         study.enqueue_trial(space.optuna_params(space.clip(params)), skip_if_exists=True)
-    best_observed, incumbent = None, None
-    for n in range(1, budget + 1):
+    best_observed, incumbent, worst = None, None, None
+    maximize = direction == "maximize"
+
+    def penalty() -> float:  # StudyRunner.penalty
+        if worst is None:
+            return 0.0 if maximize else 1e9
+        return worst * 0.5 if maximize else worst * 2
+
+    n, refusals = 0, 0
+    while n < budget and refusals < MAX_FAILED_PROPOSALS:  # then a study's search ends
         trial = study.ask()
         params = space.suggest(trial)
-        value = measure(params, n)
-        if value is None:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        value = measure(params, n + 1)
+        if value is REFUSED:
+            refusals += 1
+            study.tell(trial, penalty())
             continue
+        n, refusals = n + 1, 0
+        if value is None:
+            study.tell(trial, penalty())
+            continue
+        worst = value if worst is None or (value < worst if maximize else value > worst) else worst
         study.tell(trial, value)
         better = best_observed is None or (value > best_observed if direction == "maximize" else value < best_observed)
         if better:
@@ -258,7 +287,7 @@ def run_study(chip, shape, space, sampler_name: str, seed: int, budget: int, obj
 
 # ---------------------------------------------------------------- measured landscapes (issue 23.6b)
 
-LANDSCAPE_VARIANTS = ("study", "no-first-design")
+LANDSCAPE_VARIANTS = ("study", "no-first-design", "study-edge")
 LANDSCAPE_SAMPLERS = ("tpe", "gp", "random", "seed-scan")
 NGL, THREADS, FLASH_ATTN, UBATCH = (optuna_name(f) for f in ("n_gpu_layers", "n_threads", "flash_attn", "n_ubatch"))
 MIN_NOISE_CV = 0.01
@@ -316,8 +345,10 @@ class Landscape:
 
     space: LandscapeSpace
     truth: dict[tuple, float]
+    over_budget: frozenset[tuple]  # refused before loading by a study (its estimate with the driver's overhead)
     noise_cv: float
     first_design: tuple[tuple, ...]
+    edge: tuple  # the placement with the most on the GPU within the budget, at llama.cpp's defaults
     fit_alone: float | None  # --fit's placement with llama-bench's defaults for the rest, measured
     description: str
 
@@ -340,23 +371,29 @@ def load_landscape(path: str, test: str, budget: str) -> Landscape:
     if budget not in grid["budgets"]:
         raise SystemExit(f"error: {path} has no budget {budget!r} (it has {', '.join(grid['budgets'])})")
     limit_mib = grid["budgets"][budget]["bytes"] / 1024**2
+    peaks = placement_grid.run_peaks(grid["points"])
     points = [p for p in grid["points"] if p["test"] == test]
     if not points:
         raise SystemExit(f"error: {path} has no test {test!r} (it has {', '.join(grid['tests'])})")
     fit_label = f"--fit {budget}"
     searched = [p for p in points if not p["placement"].startswith("--fit ")]
     truth: dict[tuple, float] = {}
+    over: set[tuple] = set()
     for p in searched:
         params = p["params"]
-        within = p["peak_mib"] is None or p["peak_mib"] <= limit_mib
+        within = placement_grid.within_budget(p, peaks, limit_mib)
         config = (p["placement"], params["n_threads"], params["flash_attn"], params["n_ubatch"])
         truth[config] = p["median"] if p["median"] and within else 0.0
+        if not within:
+            over.add(config)
     space = LandscapeSpace(tuple(sorted({c[0] for c in truth}, key=placement_order)),
                            tuple(sorted({c[1] for c in truth})), tuple(dict.fromkeys(c[2] for c in truth)),
                            tuple(sorted({c[3] for c in truth})))
-    spreads = [abs(a - b) / ((a + b) / 2) / 2**0.5 for p in searched if len(p["samples"]) >= 2
-               for a, b in [p["samples"][:2]]]
-    noise = max(statistics.median(spreads) if spreads else MIN_NOISE_CV, MIN_NOISE_CV)
+    # a trial's value is the mean of its repetitions; llama-bench's first is often slower by a like
+    # share at every point (on the H200 pp512's by ~15 %), which moves no point against another: the
+    # noise is the spread of log(second / first) across the grid, / 2 for the mean of two
+    ratios = [math.log(b / a) for p in searched if len(p["samples"]) >= 2 for a, b in [p["samples"][:2]] if a > 0 < b]
+    noise = max(statistics.stdev(ratios) / 2 if len(ratios) > 2 else MIN_NOISE_CV, MIN_NOISE_CV)
     alone = next((p for p in points if p["placement"] == fit_label and p["alone"]), None)
     defaults = alone["params"] if alone and alone["params"] else {"n_threads": max(space.threads)}
 
@@ -372,11 +409,16 @@ def load_landscape(path: str, test: str, budget: str) -> Landscape:
                  else f"ncmoe {fit_knobs['n_cpu_moe']}")
     if fit_place in space.placements:  # --fit's placement as the study's knobs say it
         design.append((fit_place, threads, fa, ub))
+    # the memory estimate's guess: the most on the GPU that the estimate with the driver's measured
+    # overhead lets in (within 2 % of llama.cpp's buffers in lease 1: taken as the measured peak)
+    edge = next((config for where in reversed(space.placements)
+                 if (config := (where, threads, fa, ub)) in truth and config not in over), design[0])
     text = (f"{Path(path).name} {test} under {budget}: {len(space.placements)} placements x "
             f"{len(space.threads)} threads x {len(space.fa_modes)} attention x {len(space.ubatches)} micro-batches "
             f"= {len(truth)} configurations, {sum(v > 0 for v in truth.values())} within the budget; "
-            f"noise {noise:.1%} (single measurements); first design {design}")
-    return Landscape(space, truth, noise, tuple(design), alone["median"] if alone else None, text)
+            f"noise {noise:.1%} (a point's median, the median over the grid); first design {design}")
+    return Landscape(space, truth, frozenset(over), noise, tuple(design), edge,
+                     alone["median"] if alone else None, text)
 
 
 def run_landscape(landscape: Landscape, sampler: str, variant: str, seed: int, budget: int) -> int:
@@ -386,11 +428,13 @@ def run_landscape(landscape: Landscape, sampler: str, variant: str, seed: int, b
 
     rng = random.Random(seed)
 
-    def measure(config: tuple, n: int) -> float | None:
+    def measure(config: tuple, n: int) -> float | str | None:
         true = landscape.truth[config]
-        return true * rng.gauss(1.0, landscape.noise_cv) if true > 0 else None
+        if true > 0:
+            return true * rng.gauss(1.0, landscape.noise_cv)
+        return REFUSED if config in landscape.over_budget else None
 
-    warm = landscape.first_design if variant == "study" else ()
+    warm = {"study": landscape.first_design, "study-edge": (*landscape.first_design, landscape.edge)}.get(variant, ())
     return run_search(landscape.space, sampler, seed, budget, "maximize", measure, landscape.truth.__getitem__,
                       landscape.optimum, warm)
 
