@@ -58,7 +58,8 @@ Variants: ``study`` (the first design of a study with a budget on a GPU that is 
 Mac's: llama.cpp's defaults, which are full offload, and --fit's placement in the knobs' terms;
 there is no calibrated prediction for such a GPU), ``no-first-design``, and ``study-edge``: ``study``
 plus the placement with the most on the GPU that fits the budget, at llama.cpp's defaults (a guess
-from memory alone: the estimate with the driver's measured overhead; not what ``tune`` does today).
+from memory alone: what a study measures once the driver's overhead is known,
+``StudyRunner._enqueue_edge``; here the measured peak stands for the estimate with that overhead).
 
     python bench/search_efficiency.py --landscape grid-moe-16.json:tg128:16GiB \
         --landscape grid-moe-16.json:pp512:16GiB --samplers tpe,gp,random,seed-scan --seeds 20 --budget 40

@@ -904,6 +904,22 @@ class StudyRunner:
                 seen.add(key)
                 self.optuna_study.enqueue_trial(values)
 
+    def _enqueue_edge(self) -> None:
+        """Under a GPU budget llama.cpp's defaults do not fit: the placement with the most on the GPU
+        that the estimate lets in beside what the driver was seen to hold (``placement.fit`` with that
+        overhead as its margin, not --fit's 1 GiB; llama.cpp's defaults otherwise) is measured next.
+        On grids measured on the H200 it was the optimum's placement or next to it, and a study
+        without it did not get there in 6 trials (docs/benchmarks.md, "Against measured
+        landscapes"). Asked again whenever the overhead seen grows."""
+        budget = self.space.gpu_budget_bytes if self.space is not None else 0
+        if not budget or self.served is not None or self.space.ngl_max <= 0:
+            return
+        w, defaults = self.cfg.workload, self.baselines[learn.LLAMA_CPP]
+        edge = placement.fit(self.cfg.model, defaults, w.depth + w.n_prompt + w.n_gen, budget,
+                             margin=self.device_overhead_bytes)
+        if edge is not None and learn.config_key(edge) != learn.config_key(defaults):
+            self.optuna_study.enqueue_trial(self.space.optuna_params(self.space.clip(edge)), skip_if_exists=True)
+
     def _check_same(self, study, chip, model) -> None:
         cfg = self.cfg
         same = (
@@ -1076,8 +1092,10 @@ class StudyRunner:
             budget = self.space.gpu_budget_bytes if self.space else 0
             over = over_gpu_budget(result, budget)
             if result.gpu_device_bytes and result.gpu_bytes:
-                self.device_overhead_bytes = max(self.device_overhead_bytes,
-                                                 result.gpu_device_bytes - result.gpu_bytes)
+                overhead = result.gpu_device_bytes - result.gpu_bytes
+                if overhead > self.device_overhead_bytes:
+                    self.device_overhead_bytes = overhead
+                    self._enqueue_edge()
             if value is None:
                 result.ok, result.error = False, "no samples for the objective"
                 result.failure_kind = FailureKind.NO_SAMPLES.value

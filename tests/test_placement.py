@@ -169,6 +169,27 @@ def test_the_drivers_count_is_stored_and_its_overhead_refused_before_loading(sql
     assert "the driver holds beside them" in run._refusal(between[0])
 
 
+def test_the_budgets_edge_is_measured_once_the_drivers_overhead_is_known(sqlite_url):
+    """Beside --fit's placement (1 GiB kept free) the study measures the most GPU layers that its
+    estimate lets in beside the driver's measured overhead: within the budget, and where the
+    optimum of a model that does not fit usually is (docs/benchmarks.md, "Against measured landscapes")."""
+    def with_context(result):
+        result.gpu_device_bytes = result.gpu_bytes + CUDA_CONTEXT
+
+    run = budget_study(sqlite_url, with_context, "edge", 5)
+    run.run()
+    n_ctx = 512 + 128
+    edge = placement.fit(DENSE, BenchParams(n_gpu_layers=DENSE.n_layer + 1), n_ctx, 6 * GIB, margin=CUDA_CONTEXT)
+    fit = placement.fit(DENSE, BenchParams(n_gpu_layers=DENSE.n_layer + 1), n_ctx, 6 * GIB)
+    assert edge.n_gpu_layers > fit.n_gpu_layers  # the overhead is less than --fit's margin
+    with run.db.session() as s:
+        search = [r for r in repo.study_trials(s, run.study_id) if r.phase == "search"]
+    layers = [r.params["n_gpu_layers"] for r in search]
+    assert edge.n_gpu_layers in layers[:4]  # after full offload (refused), the defaults (the same) and --fit's
+    at_edge = next(r for r in search if r.params["n_gpu_layers"] == edge.n_gpu_layers)
+    assert at_edge.state == "complete" and at_edge.gpu_device_bytes <= 6 * GIB
+
+
 def test_a_trial_over_the_budget_by_the_drivers_count_fails_over_budget():
     from orchestrator.studies import over_gpu_budget
     from workers.trial import TrialResult
