@@ -1093,7 +1093,6 @@ class StudyRunner:
             budget = self.space.gpu_budget_bytes if self.space else 0
             over = over_gpu_budget(result, budget)
             if result.gpu_device_bytes:
-                w = self.cfg.workload
                 estimate = placement.gpu_need(self.cfg.model, job.params, w.depth + w.n_prompt + w.n_gen).total
                 overhead = result.gpu_device_bytes - int(estimate)
                 if overhead > self.device_overhead_bytes:
