@@ -92,7 +92,7 @@ def grid_points(base: BenchParams, threads: list[int], fa: list[str], batch: int
             for t in threads for f in fa]
 
 
-def test_batch(test: str) -> int:
+def study_batch(test: str) -> int:
     """The batch a study of this test runs (SearchSpace.default_batch: llama.cpp's 2048 clipped to
     the tokens one decode can get: the prompt's, or for a tg study the workload's 512-token prompt)."""
     n_prompt, _ = parse_test(test)
@@ -179,7 +179,7 @@ def plan(args, model_path: str) -> tuple[list[Group], dict]:
     for label, base, flags in places:
         for test in tests:
             prompt = parse_test(test)[0] > 0
-            batch = test_batch(test)
+            batch = study_batch(test)
             # a generation test decodes one token at a time: the micro-batch only sizes its buffers
             for ub in ubatches if prompt else [min(LLAMA_CPP_UBATCH, batch)]:
                 groups.append(Group(label, test, grid_points(base, threads, fa, batch, ub), flags))
