@@ -10,8 +10,8 @@
 #   bash bench/cuda/grids.sh wait SECONDS    # wait again (a later call on the same machine)
 #
 # GRIDS chooses the grids (default: the MoE at 16 GiB, then the dense 14B at 8 and 16 GiB, one grid
-# for both: every placement of it fits 8 GiB, only --fit's differs). Each step leaves a marker, so
-# a restarted run skips what is done. Results land in $OUT.
+# for both: every placement of it fits 8 GiB, only --fit's differs; moe-8: the MoE at 8 GiB). Each
+# step leaves a marker, so a restarted run skips what is done. Results land in $OUT.
 set -u
 SRC=$(pwd)
 # shellcheck source=bench/cuda/lib.sh
@@ -63,6 +63,10 @@ steps() {
                 step synth-qwen3-30b-a3b synth qwen3-30b-a3b &&
                 step grid-moe-16 grid moe-16 qwen3-30b-a3b tg128,pp512 16GiB --ncmoe 1,2,3,4,5,6,8,10 &&
                 step referee-moe-16 referee moe-16 qwen3-30b-a3b 16GiB tg128=tg128 pp512=pp512 ;;
+            moe-8)
+                step synth-qwen3-30b-a3b synth qwen3-30b-a3b &&
+                step grid-moe-8 grid moe-8 qwen3-30b-a3b tg128,pp512 8GiB --ncmoe 27,28,29,30,31,32,34,36 &&
+                step referee-moe-8 referee moe-8 qwen3-30b-a3b 8GiB tg128=tg128 pp512=pp512 ;;
             dense-8-16)
                 # tg32: a 14B's CPU layers on 4 threads run at ~8 tok/s; the referee times tg128
                 step synth-qwen3-14b synth qwen3-14b &&

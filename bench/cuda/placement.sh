@@ -13,7 +13,8 @@
 # MODELS, BUDGETS and OBJECTIVES choose the cases (default: the dense 14B and the MoE, 8 and 16 GiB,
 # tg and pp: eight studies, more than one 30-minute lease holds; run a part per lease, e.g.
 # MODELS=qwen3-30b-a3b BUDGETS=8GiB). Each case leaves a marker, so a restarted run skips what is
-# done. Results land in $OUT.
+# done. CASES (SHAPE:BUDGET:OBJECTIVE[:TRIALS] ..., e.g. "qwen3-30b-a3b:16GiB:tg:12 qwen3-14b:8GiB:pp")
+# names cases one by one instead, run in that order. Results land in $OUT.
 set -u
 SRC=$(pwd)
 # shellcheck source=bench/cuda/lib.sh
@@ -31,12 +32,12 @@ synth() {  # SHAPE: a synthetic Q4_0 model of that shape with SmolLM2's tokenize
         ft model synth --shape "$1" --quant q4_0 --vocab-from "$D/vocab.gguf" -o "$path" > /dev/null; }
 }
 
-study() {  # SHAPE BUDGET OBJECTIVE: the study, then the referee on its recommendation
+study() {  # SHAPE BUDGET OBJECTIVE [TRIALS]: the study, then the referee on its recommendation
     local model=$W/models/synthetic-$1-q4_0.gguf name=$1-$2-$3 db=sqlite:///$W/placement-$2.db
     # the study's --fit baseline from the node's llama-fit-params of this build (without it the study
     # falls back to fleettune's own estimate of --fit, as the first lease's did)
     # shellcheck disable=SC2086
-    FLEETTUNE_LLAMA_FIT_PARAMS=$W/build/bin/llama-fit-params ft tune "$model" --trials "$TRIALS" --objective "$3" --gpu-budget "$2" $STUDY_ARGS --seed 1 \
+    FLEETTUNE_LLAMA_FIT_PARAMS=$W/build/bin/llama-fit-params ft tune "$model" --trials "${4:-$TRIALS}" --objective "$3" --gpu-budget "$2" $STUDY_ARGS --seed 1 \
         --study "$name" --quiet --db "$db" --json > "$W/$name.outcome.json" 2> "$W/$name.tune.log" || {
         tail -n 30 "$W/$name.tune.log"; return 1; }
     local flags test
@@ -54,13 +55,16 @@ study() {  # SHAPE BUDGET OBJECTIVE: the study, then the referee on its recommen
 steps() {
     machine_facts "$W/env.txt"
     step deps deps && step build build_shared llama-bench llama-fit-params && ft hw show --json > "$W/hw.json" || return
-    for shape in $MODELS; do
-        step "synth-$shape" synth "$shape" || continue
-        for budget in $BUDGETS; do
-            for objective in $OBJECTIVES; do
-                step "study-$shape-$budget-$objective" study "$shape" "$budget" "$objective"
-            done
-        done
+    local case shape budget objective trials cases=${CASES:-}
+    if [ -z "$cases" ]; then
+        for shape in $MODELS; do for budget in $BUDGETS; do for objective in $OBJECTIVES; do
+            cases="$cases $shape:$budget:$objective"
+        done; done; done
+    fi
+    for case in $cases; do
+        IFS=: read -r shape budget objective trials <<< "$case"
+        step "synth-$shape" synth "$shape" &&
+            step "study-$shape-$budget-$objective" study "$shape" "$budget" "$objective" "${trials:-$TRIALS}"
     done
 }
 
