@@ -49,7 +49,7 @@ from workers.knobs import SERVER_FIELDS
 from workers.models import ModelInfo
 from workers.objective import PP, TG, Objective
 from workers.objective import objective as objective_named
-from workers.placement import gpu_need, gpu_working_set
+from workers.placement import FIT_MARGIN_BYTES, gpu_need, gpu_working_set
 from workers.trial import BenchParams, ServedWorkload
 
 _N = {name: knob.optuna_name for name, knob in _K.items()}  # each knob's Optuna parameter name
@@ -159,7 +159,10 @@ class SearchSpace:
             threads = min(fp.p_cores + (fp.m_cores or 0), logical)
         working_set = gpu_budget or gpu_working_set(fp)
         cpu_moe = 0
-        if moe is not None and working_set is not None and model.size_bytes > working_set:
+        # experts are placed wherever llama.cpp's --fit would move some: the weights and its 1 GiB
+        # margin do not fit (issue 23, lease 4: the 30B-A3B's 15.8 GiB of weights under 16 GiB, with
+        # the driver's 0.6-0.9 GiB beside them, were searched without n_cpu_moe)
+        if moe is not None and working_set is not None and model.size_bytes + FIT_MARGIN_BYTES > working_set:
             cpu_moe = model.n_layer
         return cls(
             ngl_max=model.n_layer + 1 if fp.gpu_offload else 0,

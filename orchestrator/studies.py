@@ -1082,6 +1082,19 @@ class StudyRunner:
             served=self.served,
         )
 
+    def _accounted_gpu_bytes(self, params: BenchParams, result: TrialResult) -> int | None:
+        """What the driver's count of a trial is measured beyond, for the overhead a budget adds to
+        the estimate: with layers on the GPU, fleettune's estimate (its own error is then in the
+        overhead, as it must be at the budget's edge); at -ngl 0, where the estimate counts nothing
+        and no budget applies, llama.cpp's own buffers (op offload's compute buffer, 180-395 MiB on
+        the H200, held by no configuration with layers on the GPU beside its own: counted beyond
+        the estimate it made the overhead 1.13 GiB where every GPU trial's was 0.59-0.65, issue 23
+        lease 4); None where llama.cpp reported none."""
+        if params.n_gpu_layers > 0:
+            w = self.workload
+            return int(placement.gpu_need(self.cfg.model, params, w.depth + w.n_prompt + w.n_gen).total)
+        return result.gpu_bytes
+
     def _finished(self, job: Job, result: TrialResult) -> repo.FinishedTrial:
         """A result with its objective value (None for a failed trial) and end-to-end seconds."""
         value = e2e = None
@@ -1092,9 +1105,9 @@ class StudyRunner:
             value = self.objective.value_of(_medians(result, self.objective), w.n_prompt, w.n_gen)
             budget = self.space.gpu_budget_bytes if self.space else 0
             over = over_gpu_budget(result, budget)
-            if result.gpu_device_bytes:
-                estimate = placement.gpu_need(self.cfg.model, job.params, w.depth + w.n_prompt + w.n_gen).total
-                overhead = result.gpu_device_bytes - int(estimate)
+            accounted = self._accounted_gpu_bytes(job.params, result)
+            if result.gpu_device_bytes and accounted is not None:
+                overhead = result.gpu_device_bytes - accounted
                 if overhead > self.device_overhead_bytes:
                     self.device_overhead_bytes = overhead
                     self._enqueue_edge()

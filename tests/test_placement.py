@@ -117,7 +117,7 @@ class GpuMemoryFleet(VirtualFleet):
 
     def result(self, ref: int, trial_key: str):
         result = super().result(ref, trial_key)
-        if result.gpu_bytes:
+        if result.ok:  # -ngl 0 too: a CUDA build holds its context and buffers there all the same
             self.alter(result)
         return result
 
@@ -202,6 +202,28 @@ def test_the_overhead_is_counted_beyond_the_estimate_so_its_error_is_in_it(sqlit
     with run.db.session() as s:
         largest = max(r.gpu_bytes for r in repo.study_trials(s, run.study_id) if r.gpu_bytes)
     assert run.device_overhead_bytes >= CUDA_CONTEXT + 0.9 * (largest - largest / 1.02)
+
+
+OP_OFFLOAD_BUFFER = 2 * GIB // 5  # llama.cpp's compute buffer at -ngl 0 (180-395 MiB on the H200)
+
+
+def test_a_trial_with_no_gpu_layers_adds_only_what_the_driver_holds_beyond_llama_cpps_buffers(sqlite_url):
+    """At -ngl 0 the estimate counts nothing on the GPU, yet llama.cpp allocates op offload's compute
+    buffer there: the overhead is the driver's count beyond that buffer, the same as beside a GPU
+    layer's, so the first trial (llama-cpp-python's -ngl 0) does not push the budget's edge back."""
+    def buffer_and_context(result):
+        if not result.gpu_bytes:  # -ngl 0
+            result.gpu_bytes = OP_OFFLOAD_BUFFER
+        result.gpu_device_bytes = result.gpu_bytes + CUDA_CONTEXT
+
+    run = budget_study(sqlite_url, buffer_and_context, "cpu-buffer", 5)
+    run.run()
+    with run.db.session() as s:
+        trials = repo.study_trials(s, run.study_id)
+    assert any(r.params["n_gpu_layers"] == 0 and r.gpu_device_bytes for r in trials)
+    assert run.device_overhead_bytes == CUDA_CONTEXT
+    edge = placement.fit(DENSE, BenchParams(n_gpu_layers=DENSE.n_layer + 1), 512 + 128, 6 * GIB, margin=CUDA_CONTEXT)
+    assert edge.n_gpu_layers in [r.params["n_gpu_layers"] for r in trials if r.phase == "search"][:4]
 
 
 def test_a_trial_over_the_budget_by_the_drivers_count_fails_over_budget():

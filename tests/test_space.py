@@ -20,7 +20,7 @@ from orchestrator.space import (
     moe_layout,
 )
 from workers import simulated
-from workers.hardware import fingerprint_from_dir
+from workers.hardware import GIB, fingerprint_from_dir
 from workers.trial import BenchParams
 
 MODEL = simulated.sim_model_info("sim://llama2-7b/q4_0")  # 32 layers, context 4096
@@ -111,6 +111,10 @@ def test_experts_on_the_cpu_only_for_a_moe_model_that_does_not_fit():
     assert SearchSpace.for_target(small, moe, 512, moe=layout).cpu_moe_max == moe.n_layer
     assert SearchSpace.for_target(big, moe, 512, moe=layout).cpu_moe_max == 0
     assert SearchSpace.for_target(small, MODEL, 512, moe=moe_layout(MODEL)).cpu_moe_max == 0  # dense
+    # weights that fit a budget but not with --fit's 1 GiB margin: --fit keeps experts back, so does the search
+    just = moe.size_bytes + GIB // 4
+    assert SearchSpace.for_target(big, moe, 512, moe=layout, gpu_budget=just).cpu_moe_max == moe.n_layer
+    assert SearchSpace.for_target(big, moe, 512, moe=layout, gpu_budget=just + GIB).cpu_moe_max == 0
     space = SearchSpace.for_target(small, moe, 512, moe=MoeLayout(128, layout.expert_bytes))
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
     proposals = [space.suggest(study.ask()) for _ in range(40)]
