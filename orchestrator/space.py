@@ -158,12 +158,14 @@ class SearchSpace:
             # performance cores (M5 Pro/Max) is searched as well
             threads = min(fp.p_cores + (fp.m_cores or 0), logical)
         working_set = gpu_budget or gpu_working_set(fp)
-        cpu_moe = 0
-        # experts are placed wherever llama.cpp's --fit would move some: the weights and its 1 GiB
-        # margin do not fit (issue 23, lease 4: the 30B-A3B's 15.8 GiB of weights under 16 GiB, with
-        # the driver's 0.6-0.9 GiB beside them, were searched without n_cpu_moe)
-        if moe is not None and working_set is not None and model.size_bytes + FIT_MARGIN_BYTES > working_set:
-            cpu_moe = model.n_layer
+        # where llama.cpp's --fit would keep part of the model off the GPU (the weights and its 1 GiB
+        # margin over the working set), the memory knobs are searched whatever the objective: the
+        # experts' placement (issue 23, lease 4: the 30B-A3B's 15.8 GiB of weights under 16 GiB, the
+        # driver's 0.6-0.9 GiB beside them, were searched without n_cpu_moe) and the micro-batch,
+        # whose compute buffer buys a layer (the 14B under 8 GiB: every layer at -ub 256, 4.9x
+        # --fit in tg, where -ub 512 fits one layer less, 3.0x; lease 3's grid)
+        tight = working_set is not None and model.size_bytes + FIT_MARGIN_BYTES > working_set
+        cpu_moe = model.n_layer if moe is not None and tight else 0
         return cls(
             ngl_max=model.n_layer + 1 if fp.gpu_offload else 0,
             threads_max=threads,
@@ -173,7 +175,7 @@ class SearchSpace:
             threads_batch=prompt,
             cpu_moe_max=cpu_moe,
             op_offload=prompt and fp.gpu_offload,
-            tune_batch=prompt,
+            tune_batch=prompt or tight,
             threads_log=True,
             switches=tuple(name for name in SWITCHES if (fp.gpu_offload or not _K[name].gpu_only)
                            and (moe is not None or not _K[name].moe_only)),

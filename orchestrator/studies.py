@@ -911,15 +911,29 @@ class StudyRunner:
         overhead as its margin, not --fit's 1 GiB; llama.cpp's defaults otherwise) is measured next.
         On grids measured on the H200 it was the optimum's placement or next to it, and a study
         without it did not get there in 6 trials (docs/benchmarks.md, "Against measured
-        landscapes"). Asked again whenever the overhead seen grows."""
+        landscapes"). Where the space searches the micro-batch, the largest smaller one that puts
+        more on the GPU is measured too (its compute buffer is smaller). Asked again whenever the
+        overhead seen grows."""
         budget = self.space.gpu_budget_bytes if self.space is not None else 0
         if not budget or self.served is not None or self.space.ngl_max <= 0:
             return
-        w, defaults = self.cfg.workload, self.baselines[learn.LLAMA_CPP]
-        edge = placement.fit(self.cfg.model, defaults, w.depth + w.n_prompt + w.n_gen, budget,
-                             margin=self.device_overhead_bytes)
-        if edge is not None and learn.config_key(edge) != learn.config_key(defaults):
-            self.optuna_study.enqueue_trial(self.space.optuna_params(self.space.clip(edge)), skip_if_exists=True)
+        w, defaults, model = self.cfg.workload, self.baselines[learn.LLAMA_CPP], self.cfg.model
+        n_ctx = w.depth + w.n_prompt + w.n_gen
+
+        def edge_at(ubatch: int) -> BenchParams | None:
+            return placement.fit(model, replace(defaults, n_ubatch=ubatch), n_ctx, budget,
+                                 margin=self.device_overhead_bytes)
+
+        def on_gpu(params: BenchParams | None) -> float:
+            return placement.gpu_need(model, params, n_ctx).weights if params is not None else -1.0
+
+        edges = [edge_at(defaults.n_ubatch)]
+        if self.space.tune_batch:  # the largest smaller micro-batch whose compute buffer buys weights
+            smaller = (edge_at(ub) for ub in sorted(self.space.batch_choices, reverse=True) if ub < defaults.n_ubatch)
+            edges.append(next((e for e in smaller if on_gpu(e) > on_gpu(edges[0])), None))
+        for edge in edges:
+            if edge is not None and learn.config_key(edge) != learn.config_key(defaults):
+                self.optuna_study.enqueue_trial(self.space.optuna_params(self.space.clip(edge)), skip_if_exists=True)
 
     def _check_same(self, study, chip, model) -> None:
         cfg = self.cfg
@@ -1268,11 +1282,15 @@ class StudyRunner:
 
     def _decided(self, params: BenchParams) -> BenchParams:
         """``params`` with every knob the study did not search at llama.cpp's defaults (issue 20.5):
-        a tg study does not pin batch sizes, a study without lossy knobs keeps the f16 cache."""
+        a tg study does not pin batch sizes (under a budget, only where llama.cpp's would not fit),
+        a study without lossy knobs keeps the f16 cache."""
         space, defaults = self.space, self.baselines[learn.LLAMA_CPP]
         out = params
+        with_defaults_batch = replace(out, n_batch=defaults.n_batch, n_ubatch=defaults.n_ubatch)
         if not space.tune_batch:
-            out = replace(out, n_batch=defaults.n_batch, n_ubatch=defaults.n_ubatch)
+            out = with_defaults_batch
+        elif not self.objective.needs_prompt and self._refusal(with_defaults_batch) is None:
+            out = with_defaults_batch  # searched as a memory knob only: pinned where it buys memory
         if not space.threads_batch:
             out = replace(out, n_threads_batch=None)
         if not space.cache_types:

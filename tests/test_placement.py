@@ -122,11 +122,11 @@ class GpuMemoryFleet(VirtualFleet):
         return result
 
 
-def budget_study(url: str, alter, name: str, n_trials: int) -> StudyRunner:
-    """A simulated study of the dense model under a 6 GiB budget on a GpuMemoryFleet."""
+def budget_study(url: str, alter, name: str, n_trials: int, budget: str = "6GiB") -> StudyRunner:
+    """A simulated study of the dense model under a budget (6 GiB) on a GpuMemoryFleet."""
     fleet = GpuMemoryFleet(alter, CHIP, 2, trial_s=0.0, prefix="node", seed=3)
     config = StudyConfig(model=DENSE, workload=Workload(512, 128, 2), n_trials=n_trials, sampler="tpe", seed=1,
-                         gpu_budget="6GiB", name=name)
+                         gpu_budget=budget, name=name)
     return StudyRunner(open_database(url), fleet, config, ChipTarget(CHIP, {}, simulated=True),
                        alive_nodes=partial(fleet.alive_nodes, CHIP.chip_key))
 
@@ -202,6 +202,34 @@ def test_the_overhead_is_counted_beyond_the_estimate_so_its_error_is_in_it(sqlit
     with run.db.session() as s:
         largest = max(r.gpu_bytes for r in repo.study_trials(s, run.study_id) if r.gpu_bytes)
     assert run.device_overhead_bytes >= CUDA_CONTEXT + 0.9 * (largest - largest / 1.02)
+
+
+def test_a_smaller_micro_batch_that_buys_a_layer_is_measured_at_the_edge(sqlite_url):
+    """Under a budget the micro-batch is a memory knob in a tg study too: where halving it frees
+    the compute buffer a layer needs, that placement is measured beside the default micro-batch's
+    (the 14B under 8 GiB on the H200: every layer at -ub 256, 4.9x --fit in tg; -ub 512, 3.0x)."""
+    def with_context(result):
+        result.gpu_device_bytes = result.gpu_bytes + CUDA_CONTEXT
+
+    n_ctx = 512 + 128
+
+    def edge(budget: int, ubatch: int) -> BenchParams:
+        full = BenchParams(n_gpu_layers=DENSE.n_layer + 1, n_ubatch=ubatch)
+        return placement.fit(DENSE, full, n_ctx, budget, margin=CUDA_CONTEXT)
+
+    budget = next(b for b in range(5 * GIB, 7 * GIB, 16 << 20)
+                  if edge(b, 256).n_gpu_layers > edge(b, 512).n_gpu_layers)
+    run = budget_study(sqlite_url, with_context, "micro-batch", 5, budget=str(budget))
+    outcome = run.run()
+    assert run.space.tune_batch and str(run.objective) == "tg"
+    with run.db.session() as s:
+        search = [r for r in repo.study_trials(s, run.study_id) if r.phase == "search"]
+    placed = [(r.params["n_gpu_layers"], r.params["n_ubatch"]) for r in search]
+    assert (edge(budget, 256).n_gpu_layers, 256) in placed[:5]
+    at_edge = next(r for r in search if (r.params["n_gpu_layers"], r.params["n_ubatch"]) == (edge(budget, 256).n_gpu_layers, 256))
+    assert at_edge.state == "complete" and at_edge.gpu_device_bytes <= budget
+    rec = outcome.recommendation.params  # the most layers win here; the micro-batch that bought one stays
+    assert (rec.n_gpu_layers, rec.n_ubatch) == (edge(budget, 256).n_gpu_layers, 256)
 
 
 OP_OFFLOAD_BUFFER = 2 * GIB // 5  # llama.cpp's compute buffer at -ngl 0 (180-395 MiB on the H200)
@@ -280,6 +308,8 @@ def test_a_simulated_16gb_mac_places_a_moe_that_does_not_fit_and_beats_fit(sqlit
     best = rec.params
     split = 0 < best.n_gpu_layers <= shape.n_layer or best.n_cpu_moe > 0
     assert best.n_gpu_layers > 0 and split  # the model placed: some of it on each side
+    defaults = llama_cpp_defaults(chip, model, 512)  # a memory knob here, left at llama.cpp's where they fit
+    assert (best.n_batch, best.n_ubatch) == (defaults.n_batch, defaults.n_ubatch)
     fitted = placement.fit(shape, llama_cpp_defaults(chip, model, 512), 640, working_set)
     assert outcome.baselines[learn.FIT] == fitted  # issue 23.3: --fit's placement, measured beside the others
     ours, theirs = (simulated.predict(chip, shape, p, 512, 128).tg_tps for p in (best, fitted))

@@ -115,6 +115,9 @@ def test_experts_on_the_cpu_only_for_a_moe_model_that_does_not_fit():
     just = moe.size_bytes + GIB // 4
     assert SearchSpace.for_target(big, moe, 512, moe=layout, gpu_budget=just).cpu_moe_max == moe.n_layer
     assert SearchSpace.for_target(big, moe, 512, moe=layout, gpu_budget=just + GIB).cpu_moe_max == 0
+    # and the micro-batch, a memory knob there whatever the objective (its compute buffer buys a layer)
+    assert SearchSpace.for_target(big, moe, 512, "tg", moe=layout, gpu_budget=just).tune_batch
+    assert not SearchSpace.for_target(big, moe, 512, "tg", moe=layout, gpu_budget=just + GIB).tune_batch
     space = SearchSpace.for_target(small, moe, 512, moe=MoeLayout(128, layout.expert_bytes))
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
     proposals = [space.suggest(study.ask()) for _ in range(40)]
