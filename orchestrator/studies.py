@@ -1280,6 +1280,14 @@ class StudyRunner:
                 seen.setdefault(learn.identity(BenchParams.from_dict(r.params), r.effective), r.optuna_number)
         return failed, seen
 
+    def _fits_gpu(self, params: BenchParams) -> bool:
+        """Whether ``params`` fit the study's budget (else the GPU's working set) by the estimate
+        beside the overhead the driver was seen to hold."""
+        limit = self.space.gpu_budget_bytes or placement.gpu_working_set(self.target.fingerprint) or 0
+        w = self.workload
+        return replace(self.space, gpu_budget_bytes=limit).over_budget(
+            params, self.cfg.model, w.depth + w.n_prompt + w.n_gen, self.device_overhead_bytes) is None
+
     def _decided(self, params: BenchParams) -> BenchParams:
         """``params`` with every knob the study did not search at llama.cpp's defaults (issue 20.5):
         a tg study does not pin batch sizes (under a budget, only where llama.cpp's would not fit),
@@ -1289,7 +1297,7 @@ class StudyRunner:
         with_defaults_batch = replace(out, n_batch=defaults.n_batch, n_ubatch=defaults.n_ubatch)
         if not space.tune_batch:
             out = with_defaults_batch
-        elif not self.objective.needs_prompt and self._refusal(with_defaults_batch) is None:
+        elif not self.objective.needs_prompt and self._fits_gpu(with_defaults_batch):
             out = with_defaults_batch  # searched as a memory knob only: pinned where it buys memory
         if not space.threads_batch:
             out = replace(out, n_threads_batch=None)
