@@ -57,9 +57,10 @@ placement and micro-batch, was over the budget is refused before loading, as a s
 Variants: ``study`` (the first design of a study with a budget on a GPU that is not a
 Mac's: llama.cpp's defaults, which are full offload, and --fit's placement in the knobs' terms;
 there is no calibrated prediction for such a GPU), ``no-first-design``, and ``study-edge``: ``study``
-plus the placement with the most on the GPU that fits the budget, at llama.cpp's defaults (a guess
-from memory alone: what a study measures once the driver's overhead is known,
-``StudyRunner._enqueue_edge``; here the measured peak stands for the estimate with that overhead).
+plus the placement with the most on the GPU that fits the budget, at llama.cpp's defaults and at the
+largest smaller micro-batch where it puts more there (a guess from memory alone: what a study
+measures once the driver's overhead is known, ``StudyRunner._enqueue_edge``; here the measured peak
+stands for the estimate with that overhead).
 
     python bench/search_efficiency.py --landscape grid-moe-16.json:tg128:16GiB \
         --landscape grid-moe-16.json:pp512:16GiB --samplers tpe,gp,random,seed-scan --seeds 20 --budget 40
@@ -349,7 +350,7 @@ class Landscape:
     over_budget: frozenset[tuple]  # refused before loading by a study (its estimate with the driver's overhead)
     noise_cv: float
     first_design: tuple[tuple, ...]
-    edge: tuple  # the placement with the most on the GPU within the budget, at llama.cpp's defaults
+    edges: tuple[tuple, ...]  # the most on the GPU within the budget at llama.cpp's defaults (and a smaller -ub)
     fit_alone: float | None  # --fit's placement with llama-bench's defaults for the rest, measured
     description: str
 
@@ -410,15 +411,23 @@ def load_landscape(path: str, test: str, budget: str) -> Landscape:
                  else f"ncmoe {fit_knobs['n_cpu_moe']}")
     if fit_place in space.placements:  # --fit's placement as the study's knobs say it
         design.append((fit_place, threads, fa, ub))
-    # the memory estimate's guess: the most on the GPU that the estimate with the driver's measured
-    # overhead lets in (within 2 % of llama.cpp's buffers in lease 1: taken as the measured peak)
-    edge = next((config for where in reversed(space.placements)
-                 if (config := (where, threads, fa, ub)) in truth and config not in over), design[0])
+    # the memory estimate's guess (StudyRunner._enqueue_edge): the most on the GPU that the estimate
+    # with the driver's measured overhead lets in (within 2 % of llama.cpp's buffers in lease 1: taken
+    # as the measured peak), and at the largest smaller micro-batch where that puts more there
+
+    def edge_at(ubatch: int) -> tuple | None:
+        return next((config for where in reversed(space.placements)
+                     if (config := (where, threads, fa, ubatch)) in truth and config not in over), None)
+
+    edges = [edge] if (edge := edge_at(ub)) is not None else []
+    most = space.placements.index(edge[0]) if edge else -1
+    smaller = (e for u in sorted(space.ubatches, reverse=True) if u < ub and (e := edge_at(u)) is not None)
+    edges += [e for e in smaller if space.placements.index(e[0]) > most][:1]
     text = (f"{Path(path).name} {test} under {budget}: {len(space.placements)} placements x "
             f"{len(space.threads)} threads x {len(space.fa_modes)} attention x {len(space.ubatches)} micro-batches "
             f"= {len(truth)} configurations, {sum(v > 0 for v in truth.values())} within the budget; "
             f"noise {noise:.1%} (a point's median, the median over the grid); first design {design}")
-    return Landscape(space, truth, frozenset(over), noise, tuple(design), edge,
+    return Landscape(space, truth, frozenset(over), noise, tuple(design), tuple(edges),
                      alone["median"] if alone else None, text)
 
 
@@ -435,7 +444,7 @@ def run_landscape(landscape: Landscape, sampler: str, variant: str, seed: int, b
             return true * rng.gauss(1.0, landscape.noise_cv)
         return REFUSED if config in landscape.over_budget else None
 
-    warm = {"study": landscape.first_design, "study-edge": (*landscape.first_design, landscape.edge)}.get(variant, ())
+    warm = {"study": landscape.first_design, "study-edge": (*landscape.first_design, *landscape.edges)}.get(variant, ())
     return run_search(landscape.space, sampler, seed, budget, "maximize", measure, landscape.truth.__getitem__,
                       landscape.optimum, warm)
 

@@ -114,7 +114,7 @@ def test_a_study_on_a_measured_landscape_is_judged_on_its_medians(tmp_path):
     # the first design: the defaults, over the budget, are refused before loading (no trial spent), so
     # a study of one trial measures --fit's placement, at half the optimum: never reached
     assert se.run_landscape(land, "random", "study", 0, 1) == 2
-    assert land.edge == ("ncmoe 2", 16, "on", 512)  # the most on the GPU within the budget
+    assert land.edges == (("ncmoe 2", 16, "on", 512),)  # the most on the GPU within the budget
     # the hand method: threads at the least on the GPU (ncmoe 8), then the placements at its best threads
     assert se.run_landscape(land, "seed-scan", "no-first-design", 0, 24) <= 3 + 4
 
@@ -138,5 +138,7 @@ def test_a_configuration_is_within_the_budget_only_if_every_test_of_it_was(tmp_p
     assert land.truth[("ncmoe 2", 16, "on", 512)] == 0.0 and land.optimum == 25.0 * 1.02  # ncmoe 4 now
     pp = se.load_landscape(str(path), "pp512", "8GiB")
     assert pp.truth == {("ncmoe 2", 16, "on", 256): 900.0, ("ncmoe 2", 16, "on", 512): 0.0}
+    assert pp.edges == (("ncmoe 2", 16, "on", 256),)  # none within the budget at -ub 512: the smaller one's
     best, count = placement_grid.best_within(grid, "tg128", "8GiB")
     assert best["placement"] == "ncmoe 4" and count == 12
+
