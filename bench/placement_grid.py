@@ -1,7 +1,8 @@
 """A placement landscape measured by llama-bench under GPU memory budgets (issue 23.6b, and the
 done-when's "no configuration beats --fit by more than 3 %"): every combination of the placements
 given (GPU layers for a dense model, experts kept on the CPU for a mixture), threads, flash
-attention and (for a prompt test) micro-batch, each point's rates (llama-bench's samples, ``-r``
+attention and micro-batch (a prompt test's ``--ubatch``; a generation test's ``--gen-ubatch``, by
+default llama.cpp's 512 alone), each point's rates (llama-bench's samples, ``-r``
 repetitions) and the peak GPU memory of the llama-bench process that measured it (nvidia-smi,
 less what was in use before), and llama.cpp's own ``--fit`` placement for each budget
 (``llama-fit-params`` of the same build, as bench/fit_referee.py plans it) measured alone, as a
@@ -16,6 +17,8 @@ against ``--fit`` by bench/fit_referee.py (a maximum over many noisy points is b
         --ngl 30,33,36,38,40,41 --threads 4,8,16 --fa off,on --ubatch 128,256,512 \\
         --tests tg128,pp512 -r 2 --json grid.json
     python bench/placement_grid.py --model MOE.gguf --budget 16GiB --ncmoe 2,3,4,6,8 ...
+    python bench/placement_grid.py --model MOE.gguf --budget 16GiB --ncmoe 1,2,3,4,5 \
+        --threads 8,16 --fa on --gen-ubatch 64,128,256,512 --tests tg128 ...
 
 The JSON is what ``bench/search_efficiency.py --landscape`` reads; ``python bench/placement_grid.py
 --best GRID.json:TEST:BUDGET`` prints the llama-bench flags of its best point within the budget
@@ -161,6 +164,7 @@ def plan(args, model_path: str) -> tuple[list[Group], dict]:
     threads = int_list(args.threads)
     fa = [knobs.knob("flash_attn").parse("-fa", v, None) for v in args.fa.split(",")]
     ubatches = int_list(args.ubatch)
+    gen_ubatches = int_list(args.gen_ubatch)
     n_ctx = max(sum(parse_test(t)) for t in tests)
     fitter = args.fit_params or llamatools.find_tool("llama-fit-params")
     if not fitter:
@@ -180,15 +184,18 @@ def plan(args, model_path: str) -> tuple[list[Group], dict]:
         for test in tests:
             prompt = parse_test(test)[0] > 0
             batch = study_batch(test)
-            # a generation test decodes one token at a time: the micro-batch only sizes its buffers
-            for ub in ubatches if prompt else [min(LLAMA_CPP_UBATCH, batch)]:
+            # a generation test decodes one token at a time, but its micro-batch sizes the compute
+            # buffers: a smaller one can buy a placement the budget refuses at llama.cpp's 512 (the
+            # MoE under 16 GiB on the H200: -ncmoe 2 at -ub 64, lease 5)
+            for ub in ubatches if prompt else sorted({min(u, batch) for u in gen_ubatches}):
                 groups.append(Group(label, test, grid_points(base, threads, fa, batch, ub), flags))
             if flags:
                 groups.append(Group(label, test, [], flags, alone=True))
     meta = {"model": model_path, "n_layer": info.n_layer, "n_expert": info.n_expert, "size_bytes": info.size_bytes,
             "budgets": budgets, "tests": tests, "reps": args.reps,
             "axes": {"placement": [label for label, _, _ in places if not label.startswith(FIT_PREFIX)],
-                     "n_threads": threads, "flash_attn": fa, "n_ubatch": ubatches}}
+                     "n_threads": threads, "flash_attn": fa, "n_ubatch": ubatches,
+                     "n_ubatch_gen": gen_ubatches}}
     return groups, meta
 
 
@@ -298,6 +305,8 @@ def main() -> int:
     ap.add_argument("--threads", default="4,8,16")
     ap.add_argument("--fa", default="off,on")
     ap.add_argument("--ubatch", default="128,256,512", help="micro-batches of the prompt tests")
+    ap.add_argument("--gen-ubatch", default=str(LLAMA_CPP_UBATCH),
+                    help="micro-batches of the generation tests (they size the buffers), e.g. 64,512")
     ap.add_argument("--tests", default="tg128,pp512")
     ap.add_argument("-r", "--reps", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600, help="seconds for one llama-bench process")

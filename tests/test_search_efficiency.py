@@ -142,3 +142,31 @@ def test_a_configuration_is_within_the_budget_only_if_every_test_of_it_was(tmp_p
     best, count = placement_grid.best_within(grid, "tg128", "8GiB")
     assert best["placement"] == "ncmoe 4" and count == 12
 
+
+def test_a_generation_test_is_measured_at_each_micro_batch_given_for_it(monkeypatch):
+    """Its micro-batch sizes the compute buffers, so a smaller one can buy a placement (lease 5's
+    MoE: -ncmoe 2 fits 16 GiB only at -ub 64); by default a generation test keeps llama.cpp's 512."""
+    import argparse
+    from types import SimpleNamespace
+
+    from bench import placement_grid
+    from workers.llamatools import FitPlacement
+
+    monkeypatch.setattr(placement_grid, "read_model_info",
+                        lambda path: SimpleNamespace(n_layer=48, n_expert=128, size_bytes=16 << 30))
+    monkeypatch.setattr(placement_grid, "fit_placement", lambda *a: FitPlacement(640, 49))
+    monkeypatch.setattr(placement_grid.llamatools, "find_tool", lambda name: "/bin/true")
+
+    def ubatches(**given) -> dict[str, list[int]]:
+        args = argparse.Namespace(**{"ngl": None, "ncmoe": "2,3", "threads": "16", "fa": "on", "ubatch": "256,512",
+                                     "gen_ubatch": "512", "tests": "tg128,pp512", "budget": ["16GiB"],
+                                     "fit_params": None, "reps": 2, **given})
+        groups, _ = placement_grid.plan(args, "moe.gguf")
+        out: dict[str, list[int]] = {}
+        for group in groups:
+            if not group.alone and group.label == "ncmoe 2":
+                out.setdefault(group.test, []).extend(p.n_ubatch for p in group.points)
+        return out
+
+    assert ubatches() == {"tg128": [512], "pp512": [256, 512]}
+    assert ubatches(gen_ubatch="512,64,128") == {"tg128": [64, 128, 512], "pp512": [256, 512]}

@@ -10,7 +10,9 @@
 #   bash bench/cuda/grids.sh wait SECONDS    # wait again (a later call on the same machine)
 #
 # GRIDS chooses the grids (default: the MoE at 16 GiB, then the dense 14B at 8 and 16 GiB, one grid
-# for both: every placement of it fits 8 GiB, only --fit's differs; moe-8: the MoE at 8 GiB). Each
+# for both: every placement of it fits 8 GiB, only --fit's differs; moe-8: the MoE at 8 GiB; moe-16-ub:
+# the MoE's tg at 16 GiB across generation micro-batches, whose smaller compute buffers buy experts
+# on the GPU: lease 5's study measured -ncmoe 2 at -ub 64 at about 1.3x --fit, 3 rounds). Each
 # step leaves a marker, so a restarted run skips what is done. Results land in $OUT.
 set -u
 SRC=$(pwd)
@@ -67,6 +69,11 @@ steps() {
                 step synth-qwen3-30b-a3b synth qwen3-30b-a3b &&
                 step grid-moe-8 grid moe-8 qwen3-30b-a3b tg128,pp512 8GiB --ncmoe 27,28,29,30,31,32,34,36 &&
                 step referee-moe-8 referee moe-8 qwen3-30b-a3b 8GiB tg128=tg128 pp512=pp512 ;;
+            moe-16-ub)
+                step synth-qwen3-30b-a3b synth qwen3-30b-a3b &&
+                AXES="--threads 8,16 --fa on --gen-ubatch 32,64,128,256,512 -r 2" \
+                    step grid-moe-16-ub grid moe-16-ub qwen3-30b-a3b tg128 16GiB --ncmoe 1,2,3,4,5 &&
+                step referee-moe-16-ub referee moe-16-ub qwen3-30b-a3b 16GiB tg128=tg128 ;;
             dense-8-16)
                 # tg32: a 14B's CPU layers on 4 threads run at ~8 tok/s; the referee times tg128
                 step synth-qwen3-14b synth qwen3-14b &&
