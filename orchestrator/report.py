@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from workers.errors import BadInput
+from workers.trial import BenchParams
 
 TABLE_WIDTH = 80
 
@@ -406,8 +407,9 @@ def claim_fields(claims: dict | None) -> dict:
         out["vs_fit"] = vs[FIT]["text"]
     if claims.get("fit_source"):  # llama-fit-params on the node, or fleettune's estimate of it
         out["fit_source"] = claims["fit_source"]
-    if shown not in out and "best_candidate" in claims:
-        out[shown] = f"best candidate: {claims['best_candidate']['text']}"
+    if shown not in out and "best_candidate" in claims:  # not recommended: named, so it can be refereed
+        best = claims["best_candidate"]
+        out[shown] = f"best candidate {BenchParams.from_dict(best['params']).llama_cpp_flags()}: {best['text']}"
     if LLAMA_CPP_PYTHON in vs:
         out["vs_llama_cpp_python"] = vs[LLAMA_CPP_PYTHON]["text"]
     if SINGLE_STREAM in vs:  # a served study's (issue 22.5)

@@ -357,3 +357,16 @@ def test_the_reference_is_fit_only_where_llama_cpps_defaults_never_ran():
     rounds[2][learn.LLAMA_CPP] = 12.0
     assert learn.reference_arm(rounds) == learn.LLAMA_CPP
     assert learn.reference_arm({1: {"candidate 1": 3.0}}) is None
+
+
+def test_a_candidate_the_rounds_could_not_confirm_is_named_beside_the_reference_it_did_not_beat():
+    """The study recommends the reference, and says which configuration came closest, in the flags a
+    user gives llama-bench or llama-server to referee it with more rounds (lease 5's MoE)."""
+    from orchestrator.report import claim_fields
+
+    records = _rounds({learn.LLAMA_CPP: [100, 102, 98], "candidate 1": [132, 109, 140],
+                       learn.NOISE_ARM: [90, 101, 98]})
+    draft = learn.recommend(records, "tg", 512, 128, None)
+    assert draft.claims["winner"] == learn.LLAMA_CPP
+    shown = claim_fields(draft.claims)["vs_llama_cpp"]
+    assert shown.startswith("best candidate -ngl 33 -t 12 -b 512 -ub 512 -fa on: no measurable difference")
