@@ -143,30 +143,29 @@ def test_a_configuration_is_within_the_budget_only_if_every_test_of_it_was(tmp_p
     assert best["placement"] == "ncmoe 4" and count == 12
 
 
-def test_a_generation_test_is_measured_at_each_micro_batch_given_for_it(monkeypatch):
+
+def test_a_generation_test_is_measured_at_each_micro_batch_given_for_it(model_path):
     """Its micro-batch sizes the compute buffers, so a smaller one can buy a placement (lease 5's
-    MoE: -ncmoe 2 fits 16 GiB only at -ub 64); by default a generation test keeps llama.cpp's 512."""
+    MoE: -ncmoe 2 fits 16 GiB only at -ub 64); by default a generation test keeps llama.cpp's 512.
+    Real llama-bench and llama-fit-params on SmolLM2."""
     import argparse
-    from types import SimpleNamespace
 
     from bench import placement_grid
-    from workers.llamatools import FitPlacement
+    from tests.conftest import require_llama_tool
 
-    monkeypatch.setattr(placement_grid, "read_model_info",
-                        lambda path: SimpleNamespace(n_layer=48, n_expert=128, size_bytes=16 << 30))
-    monkeypatch.setattr(placement_grid, "fit_placement", lambda *a: FitPlacement(640, 49))
-    monkeypatch.setattr(placement_grid.llamatools, "find_tool", lambda name: "/bin/true")
+    def grid_args(**given) -> argparse.Namespace:
+        return argparse.Namespace(**{
+            "model": str(model_path), "ngl": "0", "ncmoe": None, "threads": "2", "fa": "off", "ubatch": "512",
+            "gen_ubatch": "512", "tests": "tg8", "budget": ["8GiB"], "reps": 1, "timeout": 120, "json": None,
+            "llama_bench": require_llama_tool("llama-bench"), "fit_params": require_llama_tool("llama-fit-params"),
+            **given})
 
-    def ubatches(**given) -> dict[str, list[int]]:
-        args = argparse.Namespace(**{"ngl": None, "ncmoe": "2,3", "threads": "16", "fa": "on", "ubatch": "256,512",
-                                     "gen_ubatch": "512", "tests": "tg128,pp512", "budget": ["16GiB"],
-                                     "fit_params": None, "reps": 2, **given})
-        groups, _ = placement_grid.plan(args, "moe.gguf")
-        out: dict[str, list[int]] = {}
-        for group in groups:
-            if not group.alone and group.label == "ncmoe 2":
-                out.setdefault(group.test, []).extend(p.n_ubatch for p in group.points)
-        return out
+    def searched(groups) -> list[int]:
+        return [p.n_ubatch for g in groups if g.label == "ngl 0" for p in g.points]
 
-    assert ubatches() == {"tg128": [512], "pp512": [256, 512]}
-    assert ubatches(gen_ubatch="512,64,128") == {"tg128": [64, 128, 512], "pp512": [256, 512]}
+    assert searched(placement_grid.plan(grid_args(), str(model_path))[0]) == [512]
+    report = placement_grid.run(grid_args(gen_ubatch="512,32"))
+    measured = [p for p in report["points"] if p["placement"] == "ngl 0"]
+    assert [p["params"]["n_ubatch"] for p in measured] == [32, 512]
+    assert all(p["test"] == "tg8" and p["median"] > 0 for p in measured)
+    assert report["axes"]["n_ubatch_gen"] == [512, 32]
