@@ -419,15 +419,18 @@ def load_landscape(path: str, test: str, budget: str) -> Landscape:
         return next((config for where in reversed(space.placements)
                      if (config := (where, threads, fa, ubatch)) in truth and config not in over), None)
 
-    edges = [edge] if (edge := edge_at(ub)) is not None else []
-    most = space.placements.index(edge[0]) if edge else -1
-    smaller = (e for u in sorted(space.ubatches, reverse=True) if u < ub and (e := edge_at(u)) is not None)
-    edges += [e for e in smaller if space.placements.index(e[0]) > most][:1]
+    def on_gpu(config: tuple | None) -> int:
+        return space.placements.index(config[0]) if config is not None else -1
+
+    edge = edge_at(ub)
+    smaller = next((e for u in sorted(space.ubatches, reverse=True) if u < ub and on_gpu(e := edge_at(u)) > on_gpu(edge)),
+                   None)
+    edges = tuple(e for e in (edge, smaller) if e is not None)
     text = (f"{Path(path).name} {test} under {budget}: {len(space.placements)} placements x "
             f"{len(space.threads)} threads x {len(space.fa_modes)} attention x {len(space.ubatches)} micro-batches "
             f"= {len(truth)} configurations, {sum(v > 0 for v in truth.values())} within the budget; "
             f"noise {noise:.1%} (a point's median, the median over the grid); first design {design}")
-    return Landscape(space, truth, frozenset(over), noise, tuple(design), tuple(edges),
+    return Landscape(space, truth, frozenset(over), noise, tuple(design), edges,
                      alone["median"] if alone else None, text)
 
 
