@@ -114,6 +114,8 @@ def test_a_study_on_a_measured_landscape_is_judged_on_its_medians(tmp_path):
     # the first design: the defaults, over the budget, are refused before loading (no trial spent), so
     # a study of one trial measures --fit's placement, at half the optimum: never reached
     assert se.run_landscape(land, "random", "study", 0, 1) == 2
+    # --target: the same study with half the optimum as its goal reaches it with --fit's placement
+    assert se.run_landscape(land, "random", "study", 0, 1, target=0.5) == 1
     assert land.edges == (("ncmoe 2", 16, "on", 512),)  # the most on the GPU within the budget
     # the hand method: threads at the least on the GPU (ncmoe 8), then the placements at its best threads
     assert se.run_landscape(land, "seed-scan", "no-first-design", 0, 24) <= 3 + 4
