@@ -85,7 +85,7 @@ collect() {  # at most 8 files come back
         [ -f "$W/$f" ] && { echo "===== $f"; cat "$W/$f"; }
     done > "$OUT/printed.txt" 2>/dev/null
     [ -f "$W/build.ok" ] || { [ -f "$W/build.log" ] && tail -c 20000 "$W/build.log" >> "$OUT/printed.txt"; }
-    [ -f "$W/claims-cpu.db" ] && cp "$W/claims-cpu.db" "$OUT/"
+    copy_db "$W/claims-cpu.db" "$OUT/claims-cpu.db"
     return 0
 }
 

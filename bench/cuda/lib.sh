@@ -75,10 +75,38 @@ machine_facts() {  # FILE: the GPU, its clocks and the CPU, for the report
     { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; lscpu; } > "$1" 2>&1
 }
 
-wait_for() {  # wait_for SECONDS: until the steps end, then collect
-    local deadline=$((SECONDS + $1))
-    while [ ! -f "$W/done" ] && [ $SECONDS -lt $deadline ]; do sleep 3; done
-    [ -n "${OUT:-}" ] && { cp "$W/log" "$OUT/log.txt" 2>/dev/null; collect; }
+copy_db() {  # SRC DST: a consistent copy of a SQLite file a study may be writing (SQLite's backup API;
+    # a plain cp during a write can be torn)
+    [ -f "$1" ] && python3 -c 'import sqlite3, sys
+src, dst = sqlite3.connect(sys.argv[1], timeout=30), sqlite3.connect(sys.argv[2])
+src.backup(dst)' "$1" "$2"
+}
+
+collect_now() {  # collect() into a staging folder, then each file into $OUT by a rename, whole
+    [ -n "${OUT:-}" ] || return 0
+    local stage=$W/collect f name
+    rm -rf "$stage" && mkdir -p "$stage" || return 0
+    OUT=$stage collect
+    cp "$W/log" "$stage/log.txt" 2>/dev/null
+    for f in "$stage"/*; do
+        [ -f "$f" ] || continue
+        name=$(basename "$f")
+        cp "$f" "$OUT/.$name.part" && mv -f "$OUT/.$name.part" "$OUT/$name"
+    done
+    return 0
+}
+
+# A call cut at its limit (the device budget's end included) returns what is under $OUT then: the
+# wait collects every COLLECT_EVERY_S seconds, not only at its end (lease 6 lost a study that way)
+COLLECT_EVERY_S=${COLLECT_EVERY_S:-60}
+
+wait_for() {  # wait_for SECONDS: until the steps end, collecting as it goes, then collect
+    local deadline=$((SECONDS + $1)) next=$((SECONDS + COLLECT_EVERY_S))
+    while [ ! -f "$W/done" ] && [ $SECONDS -lt $deadline ]; do
+        sleep 1
+        if [ $SECONDS -ge $next ]; then collect_now; next=$((SECONDS + COLLECT_EVERY_S)); fi
+    done
+    collect_now
     tail -n 30 "$W/log"
     if [ -f "$W/done" ]; then echo "ALL DONE"; else echo "STILL RUNNING"; fi
 }

@@ -85,7 +85,7 @@ PY
         [ -f "$f" ] && { echo "===== $(basename "$f")"; tail -n 60 "$f"; }
     done > "$OUT/printed.txt" 2>/dev/null
     [ -f "$W/build.ok" ] || { [ -f "$W/build.log" ] && tail -c 20000 "$W/build.log" >> "$OUT/printed.txt"; }
-    for db in "$W"/placement-*.db; do [ -f "$db" ] && cp "$db" "$OUT/"; done
+    for db in "$W"/placement-*.db; do copy_db "$db" "$OUT/$(basename "$db")"; done
     return 0
 }
 

@@ -39,9 +39,10 @@ steps() {
 }
 
 collect() {  # at most 8 files come back
-    for f in env.txt outcome.json capacity.json capacity.log tune.log served.db; do
+    for f in env.txt outcome.json capacity.json capacity.log tune.log; do
         [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"
     done
+    copy_db "$W/served.db" "$OUT/served.db"
     [ -f "$W/build.log" ] && tail -c 100000 "$W/build.log" > "$OUT/build.log"
     return 0
 }

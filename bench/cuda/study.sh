@@ -30,9 +30,10 @@ steps() {
 }
 
 collect() {
-    for f in env.txt hw.json outcome.json cuda-study.db; do
+    for f in env.txt hw.json outcome.json; do
         [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"
     done
+    copy_db "$W/cuda-study.db" "$OUT/cuda-study.db"
     [ -f "$W/build.log" ] && tail -c 200000 "$W/build.log" > "$OUT/build.log"
     return 0
 }
