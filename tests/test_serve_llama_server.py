@@ -69,7 +69,9 @@ def test_llama_server_serves_switches_config_and_comes_back_after_a_kill(model_p
         assert cmdline[cmdline.index(b"-t") + 1] == b"1"  # the config's flags are the server's
         assert complete(switched).strip()
 
-        figures = probe.probe(switched["address"], switched["model"], 64, 8, n_requests=3)
+        # 32 tokens: the fastest full request must outlast the fastest one-token one by more than a
+        # loaded machine's jitter (8 gave no tg figure once, beside the full suite on 2 cores)
+        figures = probe.probe(switched["address"], switched["model"], 64, 32, n_requests=3)
         assert figures["errors"] == 0 and figures["best_pp_tps"] > 0 and figures["best_tg_tps"] > 0
         # the streamed load a llama-server canary is judged by (agent.load_served): every token streamed
         spec = LoadSpec(prompt_tokens=64, gen_tokens=32, concurrency=1, max_requests=100,
