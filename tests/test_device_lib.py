@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.faults  # a call killed at its limit: 6 s
 
@@ -36,15 +37,6 @@ main "$@"
 """
 
 
-def wait_until(predicate, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 def test_a_call_cut_at_its_limit_returns_what_the_steps_wrote(tmp_path):
     job_dir, work, out = tmp_path / "src", tmp_path / "w", tmp_path / "out"
     job_dir.mkdir(), out.mkdir()
@@ -64,7 +56,7 @@ def test_a_call_cut_at_its_limit_returns_what_the_steps_wrote(tmp_path):
         assert not list(out.glob(".*.part"))
         # a later call waits again and, the steps done, says so
         (work / "release").touch()
-        assert wait_until(lambda: (work / "done").exists(), 30)
+        wait_until(lambda: (work / "done").exists(), timeout=30)
         again = subprocess.run(["bash", "job.sh", "wait", "10"], cwd=job_dir, env=env, capture_output=True,
                                text=True, timeout=60)
         assert again.returncode == 0 and again.stdout.strip().endswith("ALL DONE")
