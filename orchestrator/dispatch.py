@@ -262,6 +262,8 @@ class RayDispatcher:
         self._ray = ray
         self._nodes_ttl_s = nodes_ttl_s
         self._nodes: dict[str, ChipNodes] = {}
+        self._pinned: dict = {}  # ref -> the node a trial was pinned to
+        self._gone: set[str] = set()  # nodes Ray declared dead under a trial (a node id never returns)
 
     def submit(self, spec: TrialSpec, chip_key: str | None, node_id: str | None = None):
         """Run a trial on a node of ``chip_key`` (or on exactly ``node_id``), holding its slot."""
@@ -272,7 +274,10 @@ class RayDispatcher:
         }
         if chip_key:
             options["label_selector"] = {CHIP_LABEL: chip_key}
-        return on_node(agent.run_trial, node_id, **options).remote(spec)
+        ref = on_node(agent.run_trial, node_id, **options).remote(spec)
+        if node_id:
+            self._pinned[ref] = node_id
+        return ref
 
     def wait(self, refs: list, timeout_s: float) -> list:
         """The refs among ``refs`` that finished within ``timeout_s``."""
@@ -287,10 +292,15 @@ class RayDispatcher:
     def result(self, ref, trial_key: str) -> TrialResult:
         """The trial's result; a lost node or a dead task is a failed trial with that reason."""
         ray = self._ray
+        node = self._pinned.pop(ref, None)
         try:
             return ray.get(ref)
         except (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
-                ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+                ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
+                ray.exceptions.TaskUnschedulableError) as exc:  # the last: pinned to a node that is gone
+            if node and isinstance(exc, ray.exceptions.NodeDiedError | ray.exceptions.TaskUnschedulableError):
+                self._gone.add(node)
+            self._nodes.clear()  # the next alive_nodes asks Ray again
             return TrialResult.failure(trial_key, "node lost", FailureKind.NODE_LOST)
         except ray.exceptions.TaskCancelledError:
             return TrialResult.failure(trial_key, "interrupted", FailureKind.INTERRUPTED)
@@ -300,13 +310,17 @@ class RayDispatcher:
             return TrialResult.failure(trial_key, f"ray error: {type(exc).__name__}")
 
     def cancel(self, ref) -> None:
+        self._pinned.pop(ref, None)
         self._ray.cancel(ref, force=True)
 
     def alive_nodes(self, chip_key: str) -> list[str]:
-        """The chip's live bench nodes, asked of Ray at most once every ``nodes_ttl_s`` seconds."""
+        """The chip's live bench nodes, asked of Ray at most once every ``nodes_ttl_s`` seconds and
+        again after a lost node; never one that died under a trial pinned to it, which Ray's node
+        table can list as alive for a while after its tasks fail (a pinned trial sent there fails at
+        once, and the study loop would send the next)."""
         if chip_key not in self._nodes:
             self._nodes[chip_key] = ChipNodes(chip_key, self._nodes_ttl_s)
-        return self._nodes[chip_key]()
+        return [node for node in self._nodes[chip_key]() if node not in self._gone]
 
 
 PUSH_CHUNK = 64 << 20

@@ -187,7 +187,6 @@ def local_fingerprint():
 
 
 SIM_CHIPS = {"M1 Pro/16": "apple-m1-pro-16g", "M2 Ultra/76": "apple-m2-ultra-76g"}
-LOSSY_CHIPS = {"sqlite": "M3 Max/40", "postgres": "M3 Max/30"}  # one pair of doomed nodes per database
 RAY_TOKEN = "fleettune-test-" + uuid.uuid4().hex
 
 
@@ -208,8 +207,8 @@ def ray_cluster(local_fingerprint):
 
     - a head without a bench slot,
     - one real bench node labelled with this machine's chip (measures with llama.cpp),
-    - simulated Macs: two M1 Pro, three M2 Ultra (one of them 30 % slow), and two pairs of M3 Max
-      (one per database) that the node-loss test removes.
+    - simulated Macs: two M1 Pro, three M2 Ultra (one of them 30 % slow); the node-loss test adds and
+      removes its own (``add_simulated``).
     """
     from ray.cluster_utils import Cluster
 
@@ -241,9 +240,6 @@ def ray_cluster(local_fingerprint):
 
     sims = [simulated(chip, 0.02) for chip in SIM_CHIPS for _ in range(2)]
     slow = simulated("M2 Ultra/76", 0.02, speed=0.7)
-    # the first of each doomed pair is 10x slow: its trial (about 18 s) outlasts the node's removal by far,
-    # so the trial the test kills cannot finish first (at full speed, 1.8 s, it once did in CI)
-    lossy = {db: [simulated(chip, 0.2, speed=speed) for speed in (0.1, 1.0)] for db, chip in LOSSY_CHIPS.items()}
     cluster.wait_for_nodes()
     yield {
         "cluster": cluster,
@@ -252,7 +248,7 @@ def ray_cluster(local_fingerprint):
         "real_node": real,
         "simulated_nodes": sims,
         "slow_node": slow.node_id,
-        "lossy": {db: (plan_join(LOSSY_CHIPS[db]).fingerprint.chip_key, nodes) for db, nodes in lossy.items()},
+        "add_simulated": simulated,  # a test's own simulated Mac, which the tests before it never met
     }
     ray.shutdown()
     cluster.shutdown()

@@ -24,6 +24,7 @@ from orchestrator.studies import StudyConfig, StudyPaused
 from orchestrator.tune import _runner, record_nodes, tune_all_chips
 from tests.conftest import SIM_CHIPS, wait_until
 from workers.hardware import Fingerprint
+from workers.join import plan_join
 from workers.simulated import sim_model_info
 from workers.trial import Workload
 
@@ -104,10 +105,20 @@ def test_the_status_flag_names_a_slow_node_before_a_simulated_one():
         ["slow 23%", "slow 23%", "sim", ""]
 
 
+# each run's own pair of doomed nodes, of a chip no other test tunes
+LOSSY_CHIPS = {"sqlite": "M3 Max/40", "postgres": "M3 Max/30"}
+
+
 def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, fleet_cluster, request):
     cluster = fleet_cluster["cluster"]
-    key, doomed = fleet_cluster["lossy"][request.node.callspec.params["db_url"]]
-    doomed = list(doomed)
+    chip = LOSSY_CHIPS[request.node.callspec.params["db_url"]]
+    key = plan_join(chip).fingerprint.chip_key
+    # the first is slow: its trial (about 18 s) outlasts the node's removal by far, so the trial the
+    # test kills cannot finish first (at 1.8 s one did in CI, and no trial was lost); the second is quick
+    doomed = [fleet_cluster["add_simulated"](chip, time_scale, speed=speed)
+              for time_scale, speed in ((0.2, 0.1), (0.02, 1.0))]
+    cluster.wait_for_nodes()
+    wait_until(lambda: len(dispatch.bench_nodes(key)) == 2, timeout=60)
     db = open_database(db_url)
     infos = dispatch.describe_nodes(dispatch.bench_nodes(key))
     fp = Fingerprint.from_dict(infos[0].fingerprint)
@@ -118,7 +129,7 @@ def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, f
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("o", runner.run()))
     thread.start()
-    victim = doomed[0]  # the slow one: its trial runs for about 18 s (conftest.ray_cluster)
+    victim = doomed[0]  # the slow one
     wait_until(lambda: fleet.node_states()[victim.node_id][0] == "busy", timeout=60)
     cluster.remove_node(victim, allow_graceful=False)
     doomed.remove(victim)
