@@ -47,3 +47,41 @@ def test_per_wait_hands_out_results_only_while_the_head_blocks():
     assert fleet.wait(refs, 0) == []  # a poll
     assert fleet.wait(refs, 0.5) == refs[:3]
     assert fleet.wait(refs, 0.5) == refs
+
+
+def test_a_node_that_died_under_a_pinned_trial_is_sent_no_more_while_rays_node_table_lists_it(monkeypatch):
+    """Ray's node table can list a node as alive for a while after a trial pinned to it failed with
+    its death; the next pinned trial sent there fails at once (TaskUnschedulableError), so the
+    study loop would send one after another. The dispatcher leaves such a node out, and reads
+    Ray's list again after every lost node (its cache would otherwise hold it for ``nodes_ttl_s``)."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from orchestrator import dispatch
+    from workers.trial import FailureKind
+
+    listed = ["node-a", "node-b"]  # what Ray's node table says, whatever has happened
+    asked = []
+
+    def bench_nodes(chip_key=None):
+        asked.append(chip_key)
+        return [SimpleNamespace(ray_node_id=n) for n in listed]
+
+    errors = {"lost-node-a": ray.exceptions.TaskUnschedulableError("pinned to a dead node"),
+              "crash-node-b": ray.exceptions.WorkerCrashedError()}
+    monkeypatch.setattr(dispatch, "bench_nodes", bench_nodes)
+    monkeypatch.setattr(dispatch, "on_node", lambda func, node_id=None, **options: SimpleNamespace(
+        remote=lambda spec: f"{spec.trial_key}-{node_id}"))
+    dispatcher = RayDispatcher(nodes_ttl_s=3600)
+    dispatcher._ray = SimpleNamespace(exceptions=ray.exceptions, get=lambda ref: (_ for _ in ()).throw(errors[ref]))
+
+    assert dispatcher.alive_nodes(CHIP.chip_key) == listed and len(asked) == 1
+    ref = dispatcher.submit(spec("lost"), CHIP.chip_key, node_id="node-a")
+    result = dispatcher.result(ref, "confirm-1")
+    assert not result.ok and result.error == "node lost" and result.kind is FailureKind.NODE_LOST
+    assert dispatcher.alive_nodes(CHIP.chip_key) == ["node-b"] and len(asked) == 2  # asked again, a left out
+    # a crashed worker (its node may live on) is a lost trial, not a dead node
+    crashed = dispatcher.submit(spec("crash"), CHIP.chip_key, node_id="node-b")
+    assert dispatcher.result(crashed, "search-2").kind is FailureKind.NODE_LOST
+    assert dispatcher.alive_nodes(CHIP.chip_key) == ["node-b"] and len(asked) == 3
