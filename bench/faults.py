@@ -470,8 +470,9 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                 cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
                                   n_trials=h.trials, sampler="tpe", seed=h.rng.randrange(1000), confirm_top=2,
                                   name=study, resume=attempt > 0)
-                runner = StudyRunner(db, dispatch.RayDispatcher(), cfg, ChipTarget(plan.fingerprint, {}, True),
-                                     alive_nodes=dispatch.ChipNodes(key, ttl_s=0))
+                dispatcher = dispatch.RayDispatcher(nodes_ttl_s=0)
+                runner = StudyRunner(db, dispatcher, cfg, ChipTarget(plan.fingerprint, {}, True),
+                                     alive_nodes=lambda d=dispatcher: d.alive_nodes(key))
                 runner.no_node_grace_s = 3.0
                 runner.prepare()
                 outcome: dict = {}
