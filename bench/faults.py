@@ -472,7 +472,7 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                                   name=study, resume=attempt > 0)
                 dispatcher = dispatch.RayDispatcher(nodes_ttl_s=0)
                 runner = StudyRunner(db, dispatcher, cfg, ChipTarget(plan.fingerprint, {}, True),
-                                     alive_nodes=lambda d=dispatcher: d.alive_nodes(key))
+                                     alive_nodes=lambda d=dispatcher, k=key: d.alive_nodes(k))
                 runner.no_node_grace_s = 3.0
                 runner.prepare()
                 outcome: dict = {}
