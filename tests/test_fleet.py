@@ -157,7 +157,7 @@ def test_lost_node_fails_its_trial_and_the_study_completes_then_pauses(db_url, f
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_pauses_every_study_of_all_chips_and_resume_completes(sqlite_url, fleet_cluster, sig):
-    args = [sys.executable, "-m", "orchestrator.cli", "tune", SIM_MODEL, "--all-chips", "--trials", "120",
+    args = [sys.executable, "-m", "orchestrator.cli", "tune", SIM_MODEL, "--all-chips", "--trials", "60",
             "--address", fleet_cluster["address"], "--db", sqlite_url, "--prompt-tokens", "512",
             "--gen-tokens", "128", "-r", "3", "--quiet", "--seed", "4", "--no-warm-start"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -183,7 +183,7 @@ def test_a_signal_pauses_every_study_of_all_chips_and_resume_completes(sqlite_ur
             sqlite_url, "--prompt-tokens", "512", "--gen-tokens", "128", "--quiet", "--no-warm-start")
     for name in names:
         report = audit_study(db, name)
-        assert report.state == "complete" and report.complete == 120 and report.ok, report.problems
+        assert report.state == "complete" and report.complete == 60 and report.ok, report.problems
 
 
 def test_killed_driver_resumes_without_duplicates(db_url, fleet_cluster, tmp_path):
