@@ -176,7 +176,7 @@ def run_ray(args) -> dict:
                       sampler=args.sampler, seed=1, confirm_top=1)
     dispatch.describe_nodes(dispatch.bench_nodes(key))  # as `tune` does first: every node's worker started
     dispatcher = dispatch.RayDispatcher()
-    runner = StudyRunner(db, dispatcher, cfg, target, alive_nodes=partial(dispatcher.alive_nodes, key))
+    runner = StudyRunner(db, dispatcher, cfg, target)
     runner.prepare()
     cpu, start = time.process_time(), time.monotonic()
     runner.run()

@@ -457,7 +457,6 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
         "health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}})
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
     plan = plan_join("M1 Pro/16", "calibrated", time_scale=0.05)
-    key = plan.fingerprint.chip_key
     db = open_database(h.url)
     removed = 0
     try:
@@ -470,9 +469,8 @@ def node_losses(h: Harness, count: int, per_round: int = 3) -> None:
                 cfg = StudyConfig(model=simulated.sim_model_info(MODEL), workload=Workload(512, 128, 1),
                                   n_trials=h.trials, sampler="tpe", seed=h.rng.randrange(1000), confirm_top=2,
                                   name=study, resume=attempt > 0)
-                dispatcher = dispatch.RayDispatcher(nodes_ttl_s=0)
-                runner = StudyRunner(db, dispatcher, cfg, ChipTarget(plan.fingerprint, {}, True),
-                                     alive_nodes=lambda d=dispatcher, k=key: d.alive_nodes(k))
+                runner = StudyRunner(db, dispatch.RayDispatcher(nodes_ttl_s=0), cfg,
+                                     ChipTarget(plan.fingerprint, {}, True))
                 runner.no_node_grace_s = 3.0
                 runner.prepare()
                 outcome: dict = {}

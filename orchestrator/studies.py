@@ -648,12 +648,13 @@ class StudyRunner:
         dispatcher: Dispatcher,
         cfg: StudyConfig,
         target: ChipTarget,
-        alive_nodes: Callable[[], list[str]],
+        alive_nodes: Callable[[], list[str]] | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         stop: StopRequest | None = None,
     ) -> None:
         self.db, self.dispatcher, self.cfg, self.target = db, dispatcher, cfg, target
-        self.alive_nodes = alive_nodes
+        # the chip's live nodes: the dispatcher's own list unless a caller gives another
+        self.alive_nodes = alive_nodes or (lambda: dispatcher.alive_nodes(target.key))
         self.on_progress = on_progress or (lambda p: None)
         self.stop = stop if stop is not None else StopRequest()
         self.objective = cfg.target_objective

@@ -82,13 +82,11 @@ def _runner(db, cfg, fingerprint, chosen, on_progress, warm: bool = False,
 
         configs = warm_start(db, key, cfg.model, str(cfg.objective), target.simulated)
         cfg = replace(cfg, warm_start=tuple(configs))
-    dispatcher = dispatch.RayDispatcher()
     return StudyRunner(
         db,
-        dispatcher,
+        dispatch.RayDispatcher(),
         cfg,
         target,
-        alive_nodes=lambda: dispatcher.alive_nodes(key),
         on_progress=on_progress,
         stop=stop,
     )
